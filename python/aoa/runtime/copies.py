@@ -1,0 +1,31 @@
+"""The executor's unit of work: one strided region copy between two byte buffers.
+
+A plan lowers to a list of these; the numpy reference backend and the C++ kernel both run
+exactly this list, so they can be checked against each other byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Copy:
+    """``destination[region] = cast(source[region])`` between two flat byte buffers.
+
+    Both regions have ``shape`` (destination axis order). Strides are in bytes, one per
+    destination axis; a permutation is folded into ``source_strides``. Values go from
+    ``source_dtype`` through each dtype of ``via`` in turn (every step rounds, as numpy's
+    ``astype`` does) to ``destination_dtype``.
+    """
+
+    source: int
+    source_offset: int
+    source_strides: tuple[int, ...]
+    destination: int
+    destination_offset: int
+    destination_strides: tuple[int, ...]
+    shape: tuple[int, ...]
+    source_dtype: str
+    destination_dtype: str
+    via: tuple[str, ...] = ()
