@@ -1,0 +1,92 @@
+"""The error hierarchy: every failure aoa reports is an AoaError, printed like a compiler's.
+
+    mapping.aoa:3:1: error: 'zz' is neither a source key nor assigned before
+        zz -> b
+        ^^
+    note: expanded from ...
+    hint: one sentence on how to fix it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from aoa.source import Span
+
+
+class AoaError(Exception):
+    """Base class. ``span`` points at the token at fault; ``expanded_from`` lists the spans of
+    the statements a macro-made statement came from (innermost first), with the macro names."""
+
+    kind = "error"
+
+    def __init__(
+        self,
+        message: str,
+        span: Span | None = None,
+        *,
+        hint: str | None = None,
+        expanded_from: Sequence[tuple[str, Span]] = (),
+        related: Sequence[tuple[str, Span]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.span = span
+        self.hint = hint
+        self.expanded_from = tuple(expanded_from)
+        self.related = tuple(related)
+
+    def render(self) -> str:
+        """The full multi-line report: location, source line, caret, origins, hint."""
+        head = f"{self.span.location()}: " if self.span else ""
+        lines = [f"{head}{self.kind}: {self.message}"]
+        if self.span:
+            lines += self.span.caret_lines()
+        for macro, span in self.expanded_from:
+            lines.append(f"  expanded from {macro} at {span.location()}:")
+            lines += span.caret_lines()
+        for note, span in self.related:
+            lines.append(f"  {span.location()}: note: {note}")
+            lines += span.caret_lines()
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+class AoaSyntaxError(AoaError):
+    """Text that the grammar does not accept."""
+
+
+class MacroError(AoaError):
+    """A macro ($LAYER_ID, *, [a:b], ^T, fused_*) that cannot be expanded as written."""
+
+
+class ChainError(AoaError):
+    """A temporary whose source or destination cannot be traced: a cycle or an ambiguity."""
+
+
+class ShapeError(AoaError):
+    """A statement whose tensors do not fit: unknown names, non-divisible splits, bad axes."""
+
+
+class ValidationError(AoaError):
+    """A program that would produce wrong data: refused before any byte moves (spec 0.3)."""
+
+
+class PlanError(AoaError):
+    """Shard descriptions that the plan cannot be built from (missing or overlapping shards)."""
+
+
+class StorageError(AoaError):
+    """A checkpoint file or folder that cannot be read or written as claimed."""
+
+
+class ExecutionError(AoaError):
+    """A copy that the kernel refused (a region out of the bounds of its buffer)."""
+
+
+class UsageError(AoaError):
+    """Wrong arguments to the API or the command line."""
