@@ -1,0 +1,124 @@
+"""The IR: frozen statements whose spans do not take part in equality.
+
+Tests compare structure; errors still point at line and column. A statement made by a macro
+records the statement it came from and the macro's name, so errors can walk back to the
+text the user wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aoa.source import Span
+
+#: Attribute keys that name a macro rather than a tensor (written bare: `a -> b, fused_ffn`).
+FLAG_ATTRIBUTES = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv"})
+
+#: Paddle's GLOBAL_ATTRIBUTE_KEYWORDS: names that cannot be tensors.
+ATTRIBUTE_KEYWORDS = frozenset({
+    "axis", "fused_ffn", "fused_qkv_old", "num_heads", "num_key_value_groups", "permute",
+    "dtype", "fused_qkv", "src_dtype", "dst_dtype",
+})
+
+#: The name that means "nothing": `X -> _` deletes, `_ -> Y` adds an empty destination.
+NOTHING = "_"
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    """A tensor name as written. ``array`` holds `[a:b]` of `NAME[a:b]` until expanded."""
+
+    text: str
+    span: Span | None = field(default=None, compare=False, repr=False)
+    array: tuple[int, int] | None = None
+
+    def __str__(self) -> str:
+        return self.text if self.array is None else f"{self.text}[{self.array[0]}:{self.array[1]}]"
+
+    @property
+    def transposed(self) -> bool:
+        return self.text.endswith("^T")
+
+    @property
+    def base(self) -> str:
+        """The name without a trailing `^T`."""
+        return self.text[:-2] if self.text.endswith("^T") else self.text
+
+
+@dataclass(frozen=True, slots=True)
+class Attribute:
+    """`key=value`; ``value`` is None for a bare flag such as `fused_ffn`."""
+
+    key: str
+    value: int | str | None
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Which statement a macro-made statement came from, and through which macro."""
+
+    macro: str
+    statement: Statement
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    left: tuple[Name, ...]
+    right: tuple[Name, ...]
+    attributes: tuple[Attribute, ...] = ()
+    span: Span | None = field(default=None, compare=False, repr=False)
+    origin: Origin | None = field(default=None, compare=False, repr=False)
+
+    def attribute(self, key: str) -> Attribute | None:
+        for attribute in self.attributes:
+            if attribute.key == key:
+                return attribute
+        return None
+
+    def derive(self, macro: str, left, right, attributes=()) -> Statement:
+        """A statement made by ``macro`` from this one (it inherits the span)."""
+        return Statement(tuple(left), tuple(right), tuple(attributes), self.span,
+                         Origin(macro, self))
+
+    def origins(self) -> list[tuple[str, Statement]]:
+        """(macro, parent) pairs from this statement back to the one the user wrote."""
+        chain = []
+        origin = self.origin
+        while origin is not None:
+            chain.append((origin.macro, origin.statement))
+            origin = origin.statement.origin
+        return chain
+
+    def written(self) -> Statement:
+        """The statement the user wrote that this one was expanded from."""
+        statement = self
+        while statement.origin is not None:
+            statement = statement.origin.statement
+        return statement
+
+    def __str__(self) -> str:
+        return format_statement(self)
+
+
+def format_value(value: int | str | None) -> str:
+    if value is None:
+        return ""
+    return str(value) if isinstance(value, int) else repr(value)
+
+
+def format_statement(statement: Statement) -> str:
+    """Canonical AOA text of a statement (names joined by ', ')."""
+    right = [str(name) for name in statement.right]
+    for attribute in statement.attributes:
+        right.append(attribute.key if attribute.value is None
+                     else f"{attribute.key}={format_value(attribute.value)}")
+    return f"{', '.join(str(name) for name in statement.left)} -> {', '.join(right)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    statements: tuple[Statement, ...]
+
+    def __str__(self) -> str:
+        return "\n".join(format_statement(s) for s in self.statements)

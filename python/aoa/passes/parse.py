@@ -1,0 +1,185 @@
+"""Parse: AOA text -> IR, with a span on every node (grammar/aoa.lark, Lark LALR)."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from lark import (
+    Lark,
+    Token,
+    Transformer,
+    UnexpectedCharacters,
+    UnexpectedInput,
+    UnexpectedToken,
+)
+from lark.exceptions import VisitError
+
+from aoa.errors import AoaSyntaxError
+from aoa.ir import FLAG_ATTRIBUTES, Attribute, Name, Program, Statement
+from aoa.source import SourceText, Span
+
+_TOKEN_WORDS = {
+    "ARROW": "'->'", "IDENTIFIER": "a name", "NUMBER": "a number", "STRING": "a string",
+    "COMMA": "','", "EQUAL": "'='", "LSQB": "'['", "RSQB": "']'", "COLON": "':'",
+    "_NEWLINE": "end of line", "$END": "end of text",
+}
+
+
+def _grammar_text() -> str:
+    packaged = resources.files("aoa").joinpath("aoa.lark")
+    if packaged.is_file():
+        return packaged.read_text()
+    # Running from a source checkout: the grammar lives at the top of the repository.
+    return (Path(__file__).resolve().parents[3] / "grammar" / "aoa.lark").read_text()
+
+
+@functools.cache
+def _parser() -> Lark:
+    return Lark(_grammar_text(), parser="lalr", start="program", maybe_placeholders=False)
+
+
+def _span(source: SourceText, first: Token, last: Token | None = None) -> Span:
+    last = last or first
+    return Span(source, first.line, first.column, last.end_line, last.end_column)
+
+
+class _ToIR(Transformer):
+    """Builds IR nodes; a bare `fused_ffn`-style word on the right becomes a flag attribute."""
+
+    def __init__(self, source: SourceText) -> None:
+        super().__init__()
+        self.source = source
+
+    def name(self, children):
+        (token,) = children
+        return Name(str(token), _span(self.source, token))
+
+    def array_name(self, children):
+        token, start, _colon_free_end = children[0], children[1], children[2]
+        span = Span(self.source, token.line, token.column, token.end_line,
+                    _colon_free_end.end_column + 1)
+        return Name(str(token), span, array=(int(start), int(_colon_free_end)))
+
+    def number(self, children):
+        (token,) = children
+        return (int(token), token)
+
+    def string(self, children):
+        (token,) = children
+        return (str(token)[1:-1], token)
+
+    def attribute(self, children):
+        key, (value, value_token) = children
+        return Attribute(str(key), value, _span(self.source, key, value_token))
+
+    def left(self, children):
+        return tuple(children)
+
+    def statement(self, children):
+        left, arrow, *items = children
+        right: list[Name] = []
+        attributes: list[Attribute] = []
+        for item in items:
+            if isinstance(item, Attribute):
+                attributes.append(item)
+            elif item.text in FLAG_ATTRIBUTES:
+                attributes.append(Attribute(item.text, None, item.span))
+            elif attributes:
+                raise AoaSyntaxError(
+                    f"'{item.text}' follows the attributes of the statement",
+                    item.span, hint="Names go before the attributes: `a -> b, c, axis=1`.")
+            else:
+                right.append(item)
+        first = left[0].span
+        last = (attributes[-1] if attributes and (not right or attributes[-1].span.end_column
+                > right[-1].span.end_column) else (right[-1] if right else arrow))
+        last_span = last.span if not isinstance(last, Token) else _span(self.source, last)
+        span = Span(self.source, first.line, first.column, last_span.end_line,
+                    last_span.end_column)
+        return Statement(left, tuple(right), tuple(attributes), span)
+
+    def program(self, children):
+        return [child for child in children if isinstance(child, Statement)]
+
+
+def _syntax_error(source: SourceText, error: UnexpectedInput) -> AoaSyntaxError:
+    line, column = error.line, error.column
+    if isinstance(error, UnexpectedCharacters):
+        char = source.text[error.pos_in_stream]
+        span = Span(source, line, column, line, column + 1)
+        if char == "-" and source.text[error.pos_in_stream + 1:error.pos_in_stream + 2].isdigit():
+            return AoaSyntaxError("negative numbers are not part of AOA", span,
+                                  hint="AOA has no negative axes; write the axis counted "
+                                       "from 0 (the last axis of a 2-D tensor is axis=1).")
+        return AoaSyntaxError(f"unexpected character {char!r}", span,
+                              hint="Names are letters, digits, '.', '_', '$' and '*', and "
+                                   "start with a letter or '_'.")
+    assert isinstance(error, UnexpectedToken)
+    token = error.token
+    expected = sorted({_TOKEN_WORDS.get(t, t) for t in error.expected if not t.startswith("__")})
+    if token.type == "$END":
+        lines = source.text.splitlines() or [""]
+        line, column = len(lines), len(lines[-1]) + 1
+        got = "end of text"
+    elif token.type == "_NEWLINE":
+        got = "end of line"
+    else:
+        got = repr(str(token))
+    span = Span(source, line, column, line, column + max(1, len(str(token).rstrip("\r\n"))))
+    missing = _missing_comma(source, line, column)
+    if missing is not None:
+        return missing
+    hint = "A statement is `source, ... -> destination, ..., attribute=value` on one line."
+    if token.type == "NUMBER":
+        hint = "A name cannot start with a digit; such a tensor can only be carried unchanged."
+    return AoaSyntaxError(f"expected {' or '.join(expected)}, got {got}", span, hint=hint)
+
+
+_ATTRIBUTE_THEN_WORD = re.compile(
+    r"""([A-Za-z_][\w.$*^]*\s*=\s*(?:\d+|"[^"]*"|'[^']*'))[ \t]+([A-Za-z_][\w.$*^]*)\s*,""")
+
+
+def _missing_comma(source: SourceText, line: int, column: int) -> AoaSyntaxError | None:
+    """`axis=0 fused_qkv_old, ...`: a word glued to an attribute, on a line that fails later.
+
+    (`axis=1p -> q` glued without a space stays two statements, as in Paddle.)"""
+    text = source.line(line)
+    for match in _ATTRIBUTE_THEN_WORD.finditer(text):
+        if match.start(2) < column:
+            start = match.start(2) + 1
+            return AoaSyntaxError(
+                f"missing ',' between '{match.group(1)}' and '{match.group(2)}'",
+                Span(source, line, start, line, start + len(match.group(2))),
+                hint=f"Separate the attributes with a comma: `{match.group(1)}, "
+                     f"{match.group(2)}`.")
+    return None
+
+
+def parse_source(source: SourceText) -> list[Statement]:
+    """Statements of one unit of text, in order."""
+    try:
+        tree = _parser().parse(source.text)
+    except UnexpectedInput as error:
+        raise _syntax_error(source, error) from None
+    try:
+        return _ToIR(source).transform(tree)
+    except VisitError as error:
+        raise error.orig_exc from None
+
+
+def parse(statements: str | Sequence[str], *, file: str | None = None) -> Program:
+    """Parse a whole program: one text (a `.aoa` file), or Paddle's list of statement strings
+    (each item may hold several statements, or none)."""
+    if isinstance(statements, str):
+        units = [SourceText(file or "<aoa>", statements)]
+    else:
+        units = [SourceText(f"{file or '<statement'} {i}>" if file is None else f"{file}[{i}]",
+                            text) for i, text in enumerate(statements)]
+    result: list[Statement] = []
+    for unit in units:
+        result.extend(parse_source(unit))
+    return Program(tuple(result))
