@@ -1,0 +1,41 @@
+"""What every pass may consult: the shard information, the direction, and a place for notes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aoa.layout import ShardDesc, model_state_keys
+from aoa.source import Span
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something surprising but valid (spec 0.1): `aoa check` prints these."""
+
+    message: str
+    span: Span | None = None
+
+    def render(self) -> str:
+        head = f"{self.span.location()}: " if self.span else ""
+        lines = [f"{head}note: {self.message}"]
+        if self.span:
+            lines += self.span.caret_lines()
+        return "\n".join(lines)
+
+
+@dataclass
+class CompileContext:
+    source: dict[str, list[ShardDesc]]
+    destination: dict[str, list[ShardDesc]] | None
+    reverse: bool = False
+    notes: list[Note] = field(default_factory=list)
+    #: Results that later passes need besides the IR (for example the chains).
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.source_keys = model_state_keys(self.source)
+        self.destination_keys = model_state_keys(self.destination)
+
+    def note(self, message: str, span: Span | None = None) -> None:
+        self.notes.append(Note(message, span))

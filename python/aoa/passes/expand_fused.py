@@ -1,0 +1,217 @@
+"""Expand the layout macros: `X^T`, `fused_ffn`, `fused_qkv_old`, `fused_qkv` (spec 5.6-5.10).
+
+They rewrite one statement into splits and concats over named pieces. `fused_ffn` and
+`fused_qkv_old` depend on how many shards the fused tensor has on each side, which the
+chains answer (resolve_chains.py); the shard count of `X^T` is the count of `X` (spec 0.4).
+"""
+
+from __future__ import annotations
+
+from math import lcm
+
+from aoa.errors import MacroError
+from aoa.ir import Attribute, Name, Program, Statement
+from aoa.passes.context import CompileContext
+from aoa.passes.resolve_chains import Chains
+
+TRANSPOSE_SUFFIX = "_transpose_tmp"
+FFN_PREFIX = "fused_ffn_tmp."
+QKV_OLD_PREFIX = "fused_qkv_old_tmp."
+
+_ALLOWED = {
+    "fused_ffn": {"fused_ffn", "axis"},
+    "fused_qkv_old": {"fused_qkv_old", "axis", "num_heads", "num_key_value_groups"},
+    "fused_qkv": {"fused_qkv", "axis", "num_heads", "num_key_value_groups"},
+}
+
+
+class _Fuser:
+    def __init__(self, ctx: CompileContext) -> None:
+        self.ctx = ctx
+        self.chains: Chains = ctx.facts["chains"]
+
+    def expand(self, statement: Statement) -> list[Statement]:
+        for name in statement.right:
+            if name.transposed:
+                raise MacroError(
+                    f"cannot assign to the transposed view '{name.text}'", name.span,
+                    hint=f"Assign first (`... -> {name.base}`), then transpose "
+                         f"(`{name.base}^T -> {name.base}`).")
+        helpers, renamed = self._transposes(statement)
+        flags = [a for a in renamed.attributes if a.key in _ALLOWED]
+        if not flags:
+            return [*helpers, renamed]
+        if len(flags) > 1:
+            raise MacroError(f"one statement cannot use both {flags[0].key} and "
+                             f"{flags[1].key}", flags[1].span)
+        flag = flags[0]
+        for attribute in renamed.attributes:
+            if attribute.key not in _ALLOWED[flag.key]:
+                raise MacroError(
+                    f"{flag.key} does not take '{attribute.key}'", attribute.span,
+                    hint=f"{flag.key} accepts only " + ", ".join(
+                        sorted(_ALLOWED[flag.key] - {flag.key})) +
+                    "; write casts and renames as statements of their own.")
+        axis = self._int(renamed, flag, "axis", 1)
+        macro = getattr(self, flag.key)
+        return [*helpers, *macro(statement, renamed, flag, axis)]
+
+    def _transposes(self, statement: Statement) -> tuple[list[Statement], Statement]:
+        """`X^T` on the left: a helper `X -> X_transpose_tmp, permute="[]"` per name."""
+        transposed = list(dict.fromkeys(n.base for n in statement.left if n.transposed))
+        if not transposed:
+            return [], statement
+        helpers = [statement.derive("transpose", [Name(base, self._span_of(statement, base))],
+                                    [Name(base + TRANSPOSE_SUFFIX, statement.span)],
+                                    [Attribute("permute", "[]", statement.span)])
+                   for base in transposed]
+        left = [Name(n.base + TRANSPOSE_SUFFIX, n.span) if n.transposed else n
+                for n in statement.left]
+        return helpers, statement.derive("transpose", left, statement.right,
+                                         statement.attributes)
+
+    @staticmethod
+    def _span_of(statement: Statement, base: str):
+        return next(n.span for n in statement.left if n.base == base)
+
+    @staticmethod
+    def _int(statement: Statement, flag: Attribute, key: str, default: int | None) -> int:
+        attribute = statement.attribute(key)
+        if attribute is None:
+            if default is None:
+                raise MacroError(f"{flag.key} needs {key}=N", flag.span)
+            return default
+        if not isinstance(attribute.value, int):
+            raise MacroError(f"{key} must be a number, not {attribute.value!r}", attribute.span)
+        return attribute.value
+
+    def _count(self, written: Statement, name: Name) -> int:
+        left = any(n is name for n in written.left)
+        return self.chains.shard_count(written, name.base, left=left)
+
+    @staticmethod
+    def _make(parent: Statement, macro: str, left, right, axis: int, span) -> Statement:
+        return parent.derive(macro, [Name(n, span) if isinstance(n, str) else n for n in left],
+                             [Name(n, span) if isinstance(n, str) else n for n in right],
+                             [Attribute("axis", axis, span)])
+
+    def _heads(self, statement: Statement, flag: Attribute) -> tuple[int, int]:
+        heads = self._int(statement, flag, "num_heads", None)
+        groups = self._int(statement, flag, "num_key_value_groups", None)
+        for key, value in (("num_heads", heads), ("num_key_value_groups", groups)):
+            if value <= 0:
+                raise MacroError(f"{key} must be positive (got {value})",
+                                 statement.attribute(key).span)
+        if heads % groups:
+            raise MacroError(f"num_heads ({heads}) must be divisible by num_key_value_groups "
+                             f"({groups})", statement.attribute("num_heads").span,
+                             hint="num_key_value_groups is the number of key/value heads.")
+        return heads, groups
+
+    # fused_ffn ---------------------------------------------------------------------------
+    def fused_ffn(self, written: Statement, s: Statement, flag: Attribute, axis: int):
+        def layout(shards: int, pieces: int) -> list[str]:
+            per = pieces // shards
+            return [f"{FFN_PREFIX}{half}_{r * per + j}" for r in range(shards)
+                    for half in ("GATE", "UP") for j in range(per)]
+
+        span = flag.span
+        if len(s.left) == 1 and len(s.right) in (1, 2):
+            source = s.left[0]
+            src_shards = self._count(written, written.left[0])
+            dst_shards = self._count(written, written.right[0]) if len(s.right) == 1 else 1
+            pieces = lcm(src_shards, dst_shards)
+            out = [self._make(s, "fused_ffn", [source], layout(src_shards, pieces), axis, span)]
+            if len(s.right) == 1:
+                out.append(self._make(s, "fused_ffn", layout(dst_shards, pieces), [s.right[0]],
+                                      axis, span))
+            else:
+                for half, target in zip(("GATE", "UP"), s.right):
+                    out.append(self._make(s, "fused_ffn",
+                                          [f"{FFN_PREFIX}{half}_{i}" for i in range(pieces)],
+                                          [target], axis, span))
+            return out
+        if len(s.left) == 2 and len(s.right) == 1:
+            gate, up = s.left
+            joined = f"{gate.text}.{up.text}.tmp"
+            shards = self._count(written, written.right[0])
+            return [self._make(s, "fused_ffn", [gate, up], [joined], axis, span),
+                    self._make(s, "fused_ffn", [joined], layout(1, shards), axis, span),
+                    self._make(s, "fused_ffn", layout(shards, shards), [s.right[0]], axis,
+                               span)]
+        raise MacroError(
+            "fused_ffn takes `fused -> fused`, `fused -> gate, up` or `gate, up -> fused`",
+            s.span, hint="Write one fused tensor on one side of '->'.")
+
+    # fused_qkv_old -----------------------------------------------------------------------
+    def fused_qkv_old(self, written: Statement, s: Statement, flag: Attribute, axis: int):
+        heads, groups = self._heads(s, flag)
+
+        def layout(shards: int, name: Name) -> list[str]:
+            for what, count in (("num_heads", heads), ("num_key_value_groups", groups)):
+                if count % shards:
+                    raise MacroError(
+                        f"{what}={count} does not divide over the {shards} shards of "
+                        f"'{name.base}'", s.attribute(what).span,
+                        hint="Each shard must hold whole query and key/value heads.")
+            q, kv = heads // shards, groups // shards
+            return [f"{QKV_OLD_PREFIX}{letter}_{r * n + i}" for r in range(shards)
+                    for letter, n in (("Q", q), ("K", kv), ("V", kv)) for i in range(n)]
+
+        span = flag.span
+        if len(s.left) == 1 and len(s.right) in (1, 3):
+            src_shards = self._count(written, written.left[0])
+            out = [self._make(s, "fused_qkv_old", [s.left[0]], layout(src_shards, s.left[0]),
+                              axis, span)]
+            if len(s.right) == 1:
+                dst_shards = self._count(written, written.right[0])
+                out.append(self._make(s, "fused_qkv_old", layout(dst_shards, s.right[0]),
+                                      [s.right[0]], axis, span))
+            else:
+                for letter, n, target in zip("QKV", (heads, groups, groups), s.right):
+                    out.append(self._make(s, "fused_qkv_old",
+                                          [f"{QKV_OLD_PREFIX}{letter}_{i}" for i in range(n)],
+                                          [target], axis, span))
+            return out
+        if len(s.left) == 3 and len(s.right) == 1:
+            joined = ".".join(n.text for n in s.left) + ".tmp"
+            dst_shards = self._count(written, written.right[0])
+            return [self._make(s, "fused_qkv_old", list(s.left), [joined], axis, span),
+                    self._make(s, "fused_qkv_old", [joined], layout(1, s.right[0]), axis, span),
+                    self._make(s, "fused_qkv_old", layout(dst_shards, s.right[0]),
+                               [s.right[0]], axis, span)]
+        raise MacroError("fused_qkv_old takes `fused -> fused`, `fused -> q, k, v` or "
+                         "`q, k, v -> fused`", s.span)
+
+    # fused_qkv ---------------------------------------------------------------------------
+    def fused_qkv(self, written: Statement, s: Statement, flag: Attribute, axis: int):
+        heads, groups = self._heads(s, flag)
+        per_group = heads // groups
+        span = flag.span
+        if len(s.left) == 1 and len(s.right) == 3:
+            q, k, v = s.right
+        elif len(s.left) == 3 and len(s.right) == 1:
+            q, k, v = s.left
+        else:
+            raise MacroError("fused_qkv takes `q, k, v -> fused` or `fused -> q, k, v`",
+                             s.span)
+        q_names = [f"{q.text}{i}" for i in range(heads)]
+        k_names = [f"{k.text}{g}" for g in range(groups)]
+        v_names = [f"{v.text}{g}" for g in range(groups)]
+        grouped = [name for g in range(groups)
+                   for name in (*q_names[g * per_group:(g + 1) * per_group], k_names[g],
+                                v_names[g])]
+        parts = ((q, q_names), (k, k_names), (v, v_names))
+        if len(s.left) == 1:
+            return [self._make(s, "fused_qkv", [s.left[0]], grouped, axis, span),
+                    *(self._make(s, "fused_qkv", names, [whole], axis, span)
+                      for whole, names in parts)]
+        return [*(self._make(s, "fused_qkv", [whole], names, axis, span)
+                  for whole, names in parts),
+                self._make(s, "fused_qkv", grouped, [s.right[0]], axis, span)]
+
+
+def run(program: Program, ctx: CompileContext) -> Program:
+    fuser = _Fuser(ctx)
+    return Program(tuple(out for statement in program.statements
+                         for out in fuser.expand(statement)))

@@ -1,0 +1,231 @@
+"""Expand the template macros: `$LAYER_ID_OFFSET`, `$LAYER_ID` / `$EXPERT_ID`, `NAME[a:b]`, `*`.
+
+These turn one written statement into zero or more statements over concrete names, using
+the key sets of the source and destination (spec 5.2-5.5). They work on IR names, never on
+re-joined token text, so two names stay two names (spec 0.4). The layout macros that need
+shard counts (`^T`, `fused_*`) run later, after the chains are resolved (expand_fused.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import re
+from collections.abc import Iterable, Sequence
+
+from aoa.errors import MacroError
+from aoa.ir import Name, Program, Statement
+from aoa.passes.context import CompileContext
+
+LAYER_ID_OFFSET = "$LAYER_ID_OFFSET"
+PLACEHOLDERS = ("$EXPERT_ID", "$LAYER_ID")  # sorted by name: expert id is the major key
+
+
+class _SortedKeys:
+    """Keys sorted once, so a template only scans the keys that share its literal prefix."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = sorted(keys)
+
+    def with_prefix(self, prefix: str) -> list[str]:
+        start = bisect.bisect_left(self.keys, prefix)
+        end = bisect.bisect_left(self.keys, prefix + "\U0010ffff")
+        return self.keys[start:end]
+
+
+def _names(statement: Statement) -> tuple[Name, ...]:
+    return statement.left + statement.right
+
+
+def _rename(statement: Statement, macro: str, rename) -> Statement:
+    return statement.derive(macro, [rename(n) for n in statement.left],
+                            [rename(n) for n in statement.right], statement.attributes)
+
+
+class _Expander:
+    def __init__(self, ctx: CompileContext) -> None:
+        self.ctx = ctx
+        self.source_keys = _SortedKeys(ctx.source_keys)
+        self.destination_keys = _SortedKeys(ctx.destination_keys)
+        self.produced: set[str] = set()  # names written by the statements expanded so far
+
+    def expand(self, statement: Statement) -> list[Statement]:
+        result = [statement]
+        for macro in (self.layer_id_offset, self.ids, self.arrays, self.stars):
+            result = [out for s in result for out in macro(s)]
+        for s in result:
+            self.produced.update(n.base for n in (s.left if self.ctx.reverse else s.right))
+        return result
+
+    # $LAYER_ID_OFFSET -------------------------------------------------------------------
+    def layer_id_offset(self, statement: Statement) -> list[Statement]:
+        names = _names(statement)
+        tagged = [n for n in names if LAYER_ID_OFFSET in n.text]
+        if not tagged:
+            return [statement]
+        for name in names:
+            if LAYER_ID_OFFSET not in name.text:
+                raise MacroError(
+                    f"'{name.text}' lacks {LAYER_ID_OFFSET}, which every name of this "
+                    "statement must carry", name.span,
+                    hint="Write the tag in every name, or split the statement in two.")
+        side = statement.right if self.ctx.reverse else statement.left
+        pattern = next((n for n in side if LAYER_ID_OFFSET in n.text), tagged[0])
+        prefix, _, suffix = pattern.base.partition(LAYER_ID_OFFSET)
+        regex = re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix))
+        ids = sorted({int(m.group(1)) for key in self.source_keys.with_prefix(prefix)
+                      if (m := regex.fullmatch(key))})
+        if not ids:
+            self.ctx.note(f"'{pattern.text}' matches no source key: the statement expands "
+                          "to nothing", pattern.span)
+        result = []
+        for layer in ids:
+            left_id, right_id = (layer + 1, layer) if self.ctx.reverse else (layer, layer - 1)
+            if min(left_id, right_id) < 0:
+                raise MacroError(
+                    f"source layer {layer} would map to layer -1", pattern.span,
+                    hint="$LAYER_ID_OFFSET maps layer n to n-1; start the source at layer 1 "
+                         "or map layer 0 with a statement of its own.")
+            result.append(statement.derive(
+                "layer_id_offset",
+                [self._substitute(n, {LAYER_ID_OFFSET: str(left_id)}) for n in statement.left],
+                [self._substitute(n, {LAYER_ID_OFFSET: str(right_id)}) for n in statement.right],
+                statement.attributes))
+        return result
+
+    @staticmethod
+    def _substitute(name: Name, values: dict[str, str]) -> Name:
+        text = name.text
+        for placeholder, value in values.items():
+            text = text.replace(placeholder, value)
+        return Name(text, name.span, name.array) if text != name.text else name
+
+    # $LAYER_ID / $EXPERT_ID ---------------------------------------------------------------
+    def ids(self, statement: Statement) -> list[Statement]:
+        names = _names(statement)
+        if not any("$LAYER_ID" in n.text or "$EXPERT_ID" in n.text for n in names):
+            return [statement]
+        candidates = statement.right if self.ctx.reverse else names
+        pattern = next((n for n in candidates if any(p in n.text for p in PLACEHOLDERS)), None)
+        if pattern is None:
+            raise MacroError(
+                "in reverse mode the $LAYER_ID / $EXPERT_ID template is taken from the right "
+                "of '->', which has none", statement.span,
+                hint="Write the placeholder in the names right of '->' too.")
+        regex, found = self._id_regex(pattern)
+        values: dict[str, set[int]] = {p: set() for p in found}
+        matched = self._match_ids(regex, pattern, self.source_keys, values)
+        if not matched and not self.ctx.reverse and self.produced:
+            # Spec 0.5: a template over temporaries expands over the ids they were made with.
+            self._match_ids(regex, pattern, _SortedKeys(self.produced), values)
+        for name in names:
+            missing = [p for p in found if p[1:] not in name.text]
+            if missing:
+                raise MacroError(
+                    f"'{name.text}' lacks {', '.join(missing)}, which every name of this "
+                    "template must carry", name.span,
+                    hint="All names of a $LAYER_ID / $EXPERT_ID statement must use the same "
+                         "placeholders.")
+        ordered = sorted(found)
+        combinations = list(itertools.product(*(sorted(values[p]) for p in ordered)))
+        if not combinations:
+            self.ctx.note(f"'{pattern.text}' matches no source key: the statement expands to "
+                          "nothing", pattern.span)
+        result = []
+        for combination in combinations:
+            mapping = {p: str(v) for p, v in zip(ordered, combination)}
+            result.append(_rename(statement, "id", lambda n, m=mapping: self._substitute(n, m)
+                                  if "$" in n.text else n))
+        return result
+
+    @staticmethod
+    def _id_regex(pattern: Name) -> tuple[re.Pattern, list[str]]:
+        parts = re.split(r"(\$EXPERT_ID|\$LAYER_ID)", pattern.base)
+        regex, found = "", []
+        for index, part in enumerate(parts):
+            if index % 2 == 0:
+                regex += re.escape(part)
+            elif part in found:  # the same id twice in one name: both places agree
+                regex += f"(?P={part[1:]})"
+            else:
+                found.append(part)
+                regex += f"(?P<{part[1:]}>\\d+)"
+        return re.compile(regex), found
+
+    @staticmethod
+    def _match_ids(regex: re.Pattern, pattern: Name, keys: _SortedKeys,
+                   values: dict[str, set[int]]) -> bool:
+        prefix = re.split(r"\$EXPERT_ID|\$LAYER_ID", pattern.base, maxsplit=1)[0]
+        matched = False
+        for key in keys.with_prefix(prefix):
+            m = regex.fullmatch(key)
+            if m:
+                matched = True
+                for placeholder, value_set in values.items():
+                    value_set.add(int(m.group(placeholder[1:])))
+        return matched
+
+    # NAME[a:b] ----------------------------------------------------------------------------
+    def arrays(self, statement: Statement) -> list[Statement]:
+        if not any(n.array for n in _names(statement)):
+            return [statement]
+
+        def expand(names: Sequence[Name]) -> list[Name]:
+            out = []
+            for name in names:
+                if name.array is None:
+                    out.append(name)
+                    continue
+                start, end = name.array
+                if start >= end:
+                    raise MacroError(f"'{name}' is an empty range", name.span,
+                                     hint="NAME[a:b] names NAME_a ... NAME_(b-1); b must be "
+                                          "greater than a.")
+                out.extend(Name(f"{name.text}_{i}", name.span) for i in range(start, end))
+            return out
+
+        return [statement.derive("array", expand(statement.left), expand(statement.right),
+                                 statement.attributes)]
+
+    # * ------------------------------------------------------------------------------------
+    def stars(self, statement: Statement) -> list[Statement]:
+        if not any("*" in n.text for n in _names(statement)):
+            return [statement]
+        left_keys, right_keys = ((self.destination_keys, self.source_keys) if self.ctx.reverse
+                                 else (self.source_keys, self.destination_keys))
+        left_what, right_what = (("destination", "source") if self.ctx.reverse
+                                 else ("source", "destination"))
+        return [statement.derive("star", self._star(statement.left, left_keys, left_what),
+                                 self._star(statement.right, right_keys, right_what),
+                                 statement.attributes)]
+
+    def _star(self, names: Sequence[Name], keys: _SortedKeys, what: str) -> list[Name]:
+        out = []
+        for name in names:
+            if "*" not in name.text:
+                out.append(name)
+                continue
+            if name.text.count("*") > 1:
+                raise MacroError(f"'{name.text}' has more than one '*'", name.span,
+                                 hint="A name may hold one '*', which matches a number.")
+            prefix, suffix = name.text.split("*")
+            transposed = suffix.endswith("^T")
+            if transposed:
+                suffix = suffix[:-2]
+            regex = re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix))
+            matches = sorted(((int(m.group(1)), key) for key in keys.with_prefix(prefix)
+                              if (m := regex.fullmatch(key))))
+            if not matches:
+                raise MacroError(
+                    f"'{name.text}' matches no {what} key", name.span,
+                    hint=f"'*' stands for a number in a {what} key; check the name against "
+                         f"the {what} keys.")
+            out.extend(Name(key + ("^T" if transposed else ""), name.span)
+                       for _, key in matches)
+        return out
+
+
+def run(program: Program, ctx: CompileContext) -> Program:
+    expander = _Expander(ctx)
+    return Program(tuple(out for statement in program.statements
+                         for out in expander.expand(statement)))
