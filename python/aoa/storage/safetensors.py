@@ -1,0 +1,431 @@
+"""One safetensors file: a strict, memory-mapped reader and an in-place writer.
+
+The format is an 8-byte little-endian header length, a JSON header naming each tensor's
+dtype, shape and byte range, then the data section. The reader checks every claim the
+header makes before a byte is used, so a kernel never reads past what the file holds.
+The writer knows the header up front, so it sizes the file once, maps it, and lets the
+caller's kernel write each tensor straight into the mapping: no staging copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from aoa.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, numpy_dtype
+from aoa.errors import StorageError
+
+#: The reference implementation refuses headers larger than this, and so do we.
+MAX_HEADER_BYTES = 100_000_000
+#: Suffix of a file still being written; it never carries the final name.
+PARTIAL_SUFFIX = ".aoa-partial"
+
+_LENGTH_BYTES = 8
+_METADATA_KEY = "__metadata__"
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to be written: its name in the file, dtype (Paddle name) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as stored: ``offset`` is where its bytes start inside the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def partial_path(path: Path) -> Path:
+    """Where ``path`` is written before it is complete: a dot-file no reader picks up."""
+    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+class SafetensorsFile:
+    """A safetensors file mapped read-only; buffers and arrays are views of the mapping."""
+
+    def __init__(
+        self,
+        path: Path,
+        mapping: mmap.mmap,
+        metadata: dict[str, str],
+        tensors: dict[str, TensorInfo],
+    ) -> None:
+        self.path = path
+        self.metadata = metadata
+        self.tensors = tensors
+        self._mapping: mmap.mmap | None = mapping
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> SafetensorsFile:
+        """Map ``path`` and validate its header; raises StorageError naming what is wrong."""
+        path = Path(path)
+        try:
+            with open(path, "rb") as file:
+                size = os.fstat(file.fileno()).st_size
+                if size < _LENGTH_BYTES:
+                    raise StorageError(
+                        f"{path}: truncated: {size} bytes, too short for the 8-byte header length"
+                    )
+                mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as error:
+            raise StorageError(f"{path}: cannot open: {error.strerror}") from error
+        try:
+            metadata, tensors = _parse(path, mapping)
+        except BaseException:
+            mapping.close()
+            raise
+        return cls(path, mapping, metadata, tensors)
+
+    def buffer(self, name: str) -> memoryview:
+        """The bytes of tensor ``name``: a read-only slice of the mapping, no copy."""
+        info = self._info(name)
+        if self._mapping is None:
+            raise StorageError(f"{self.path}: closed; cannot read tensor '{name}'")
+        return memoryview(self._mapping)[info.offset : info.offset + info.nbytes]
+
+    def array(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a read-only numpy view (bf16 and fp8 through ml_dtypes)."""
+        info = self._info(name)
+        return np.frombuffer(self.buffer(name), dtype=numpy_dtype(info.dtype)).reshape(info.shape)
+
+    def close(self) -> None:
+        """Unmap the file. Views still held elsewhere keep the mapping alive until they go."""
+        if self._mapping is not None:
+            _unmap(self._mapping)
+            self._mapping = None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise StorageError(f"{self.path}: no tensor '{name}'") from None
+
+
+def _parse(path: Path, data: mmap.mmap) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    """Metadata and tensors (in file order) of a mapped file, every claim checked."""
+    (header_bytes,) = struct.unpack("<Q", data[:_LENGTH_BYTES])
+    if header_bytes > MAX_HEADER_BYTES:
+        raise StorageError(
+            f"{path}: header of {header_bytes} bytes is over the limit of {MAX_HEADER_BYTES}"
+        )
+    if _LENGTH_BYTES + header_bytes > len(data):
+        raise StorageError(
+            f"{path}: truncated: header length {header_bytes} runs past the end of the file "
+            f"({len(data)} bytes)"
+        )
+    try:
+        text = data[_LENGTH_BYTES : _LENGTH_BYTES + header_bytes].decode("utf-8")
+        header = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise StorageError(f"{path}: header is not UTF-8 JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise StorageError(f"{path}: header is not a JSON object")
+
+    metadata = _parse_metadata(path, header.pop(_METADATA_KEY, None))
+    data_start = _LENGTH_BYTES + header_bytes
+    data_bytes = len(data) - data_start
+    ranges = sorted(
+        (_parse_entry(path, name, entry, data_bytes) for name, entry in header.items()),
+        key=lambda item: (item[1], item[2]),
+    )
+    end = 0
+    for name, begin, stop, _, _ in ranges:
+        if begin > end:
+            raise StorageError(
+                f"{path}: tensor '{name}' starts at data offset {begin}, leaving a gap after "
+                f"byte {end}"
+            )
+        if begin < end:
+            raise StorageError(
+                f"{path}: tensor '{name}' starts at data offset {begin}, overlapping the tensor "
+                f"that ends at {end}"
+            )
+        end = stop
+    if end != data_bytes:
+        raise StorageError(
+            f"{path}: tensors end at data offset {end} but the data section holds "
+            f"{data_bytes} bytes"
+        )
+    tensors = {
+        name: TensorInfo(name, dtype, shape, data_start + begin, stop - begin)
+        for name, begin, stop, dtype, shape in ranges
+    }
+    return metadata, tensors
+
+
+def _parse_metadata(path: Path, metadata: Any) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
+    ):
+        raise StorageError(f"{path}: __metadata__ is not an object of strings to strings")
+    return metadata
+
+
+def _parse_entry(
+    path: Path, name: str, entry: Any, data_bytes: int
+) -> tuple[str, int, int, str, tuple[int, ...]]:
+    """(name, begin, end, dtype, shape) of one header entry, checked against the data size."""
+    where = f"{path}: tensor '{name}'"
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_FIELDS:
+        raise StorageError(f"{where}: entry must have exactly dtype, shape and data_offsets")
+    code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if code not in SAFETENSORS_CODES:
+        known = " ".join(SAFETENSORS_CODES)
+        raise StorageError(f"{where}: unknown dtype {code!r} (known: {known})")
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise StorageError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise StorageError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+    begin, end = offsets
+    if begin > end:
+        raise StorageError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
+    if end > data_bytes:
+        raise StorageError(
+            f"{where}: truncated: data_offsets [{begin}, {end}] run past the end of the data "
+            f"section ({data_bytes} bytes)"
+        )
+    dtype = SAFETENSORS_CODES[code]
+    expected = math.prod(shape) * itemsize(dtype)
+    if end - begin != expected:
+        raise StorageError(
+            f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but {code} "
+            f"{shape} needs {expected}"
+        )
+    return name, begin, end, dtype, tuple(shape)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that names no key twice (json.loads would keep the last silently)."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {key!r} appears twice")
+        result[key] = value
+    return result
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unmap(mapping: mmap.mmap) -> None:
+    """Close ``mapping`` unless views of it are still alive; then the last view unmaps it."""
+    with contextlib.suppress(BufferError):
+        mapping.close()
+
+
+def header_bytes(tensors: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
+    """Length prefix and JSON header for ``tensors`` stored back to back in the given order,
+    padded with spaces to a multiple of 8 bytes as the reference implementation does."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header[_METADATA_KEY] = metadata
+    offset = 0
+    for spec in tensors:
+        header[spec.name] = {
+            "dtype": SAFETENSORS_NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _check_specs(
+    path: Path, tensors: Sequence[TensorSpec], metadata: dict[str, str] | None
+) -> None:
+    seen: set[str] = set()
+    for spec in tensors:
+        where = f"{path}: tensor '{spec.name}'"
+        if spec.name == _METADATA_KEY or spec.name in seen:
+            raise StorageError(f"{where}: name is reserved or used twice in one file")
+        if spec.dtype not in SAFETENSORS_NAMES:
+            raise StorageError(f"{where}: dtype {spec.dtype!r} has no safetensors code")
+        if not all(_is_count(n) for n in spec.shape):
+            raise StorageError(f"{where}: shape {spec.shape!r} is not non-negative integers")
+        seen.add(spec.name)
+    if metadata is not None and not all(
+        isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
+    ):
+        raise StorageError(f"{path}: metadata must map strings to strings")
+
+
+class SafetensorsWriter:
+    """Writes one file in place: ``.<name>.aoa-partial`` sized and mapped up front, filled
+    through :meth:`buffer`, renamed into place by :meth:`commit`.
+
+    A ``with`` block is the unit of atomicity: if it raises, whatever the writer left (the
+    partial file, or the final file if it was already committed) is removed; leaving it
+    without committing removes the partial file. A killed process leaves only the dot-file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        tensors: Sequence[TensorSpec],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.partial = partial_path(self.path)
+        _check_specs(self.path, tensors, metadata)
+        header = header_bytes(tensors, metadata)
+        self._ranges: dict[str, tuple[int, int]] = {}
+        offset = len(header)
+        for spec in tensors:
+            self._ranges[spec.name] = (offset, offset + spec.nbytes)
+            offset += spec.nbytes
+        self._committed = False
+        self._views: list[memoryview] = []
+        self._mapping: mmap.mmap | None = None
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        except OSError as error:
+            raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
+        try:
+            _reserve(self._fd, offset)
+            self._mapping = mmap.mmap(self._fd, offset, access=mmap.ACCESS_WRITE)
+        except OSError as error:
+            self.discard()
+            raise StorageError(
+                f"{self.path}: cannot reserve {offset} bytes: {error.strerror}"
+            ) from error
+        self._mapping[: len(header)] = header
+
+    def buffer(self, name: str) -> memoryview:
+        """A writable view of tensor ``name``'s bytes inside the mapped file."""
+        if self._mapping is None:
+            raise StorageError(f"{self.path}: already finished; cannot write tensor '{name}'")
+        try:
+            begin, end = self._ranges[name]
+        except KeyError:
+            raise StorageError(f"{self.path}: no tensor '{name}' in this file") from None
+        view = memoryview(self._mapping)[begin:end]
+        self._views.append(view)
+        return view
+
+    def finish(self) -> None:
+        """Flush and fsync the data and unmap; the partial file is complete but not in place."""
+        if self._mapping is None or self._fd is None:
+            return
+        try:
+            self._mapping.flush()
+            os.fsync(self._fd)
+        except OSError as error:
+            raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
+        finally:
+            self._close()
+
+    def commit(self) -> Path:
+        """Finish, then rename the file into place (atomically, over any older file)."""
+        self.finish()
+        if not self._committed:
+            try:
+                os.replace(self.partial, self.path)
+                _sync_folder(self.path.parent)
+            except OSError as error:
+                raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
+            self._committed = True
+        return self.path
+
+    def discard(self) -> None:
+        """Remove what this writer left: the partial file, or the final file once committed."""
+        self._close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path if self._committed else self.partial)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if kind is not None or not self._committed:
+            self.discard()
+
+    def _close(self) -> None:
+        for view in self._views:
+            view.release()
+        self._views.clear()
+        if self._mapping is not None:
+            _unmap(self._mapping)
+            self._mapping = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the file its final size with the blocks allocated, so a full disk is an error
+    here rather than a SIGBUS in the middle of a copy into the mapping."""
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder so a rename in it survives a crash."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Sequence[TensorSpec],
+    metadata: dict[str, str] | None,
+    fill: Callable[[dict[str, memoryview]], None],
+) -> Path:
+    """Write ``tensors`` (in this order) to ``path``; ``fill`` gets a writable view per tensor
+    and writes the bytes. The file appears under its name only once complete."""
+    with SafetensorsWriter(path, tensors, metadata) as writer:
+        fill({spec.name: writer.buffer(spec.name) for spec in tensors})
+        return writer.commit()
