@@ -273,9 +273,14 @@ def test_writer_commit_then_failure_removes_the_file(tmp_path: Path) -> None:
 
 def test_writer_with_a_view_still_held_commits(tmp_path: Path) -> None:
     with SafetensorsWriter(tmp_path / "a.safetensors", [TensorSpec("w", "uint8", (3,))]) as w:
-        kept = np.frombuffer(w.buffer("w"), np.uint8)
+        view = w.buffer("w")
+        kept = np.frombuffer(view, np.uint8)
         kept[:] = [1, 2, 3]
         w.commit()
+        with pytest.raises(ValueError):  # released: it cannot write into the finished file
+            view[0] = 9
+        with pytest.raises(StorageError, match="already finished"):
+            w.buffer("w")
     assert load_file(tmp_path / "a.safetensors")["w"].tolist() == [1, 2, 3]
 
 

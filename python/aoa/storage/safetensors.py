@@ -387,8 +387,11 @@ class SafetensorsWriter:
             self.discard()
 
     def _close(self) -> None:
+        """Release our views (a stale one then fails instead of writing into a finished file)
+        and unmap; a view held elsewhere keeps the mapping alive until it goes."""
         for view in self._views:
-            view.release()
+            with contextlib.suppress(BufferError):
+                view.release()
         self._views.clear()
         if self._mapping is not None:
             _unmap(self._mapping)
