@@ -15,8 +15,8 @@ from aoa.source import Span
 
 
 class AoaError(Exception):
-    """Base class. ``span`` points at the token at fault; ``expanded_from`` lists the spans of
-    the statements a macro-made statement came from (innermost first), with the macro names."""
+    """Base class. ``span`` points at the token at fault; ``expanded_from`` lists, for a
+    statement a macro made, (macro, statement text) from the written statement inwards."""
 
     kind = "error"
 
@@ -26,7 +26,7 @@ class AoaError(Exception):
         span: Span | None = None,
         *,
         hint: str | None = None,
-        expanded_from: Sequence[tuple[str, Span]] = (),
+        expanded_from: Sequence[tuple[str, str]] = (),
         related: Sequence[tuple[str, Span]] = (),
     ) -> None:
         super().__init__(message)
@@ -42,9 +42,9 @@ class AoaError(Exception):
         lines = [f"{head}{self.kind}: {self.message}"]
         if self.span:
             lines += self.span.caret_lines()
-        for macro, span in self.expanded_from:
-            lines.append(f"  expanded from {macro} at {span.location()}:")
-            lines += span.caret_lines()
+        if self.expanded_from:
+            lines.append("  in a statement expanded from the one above:")
+            lines += [f"    by {macro}: {text}" for macro, text in self.expanded_from]
         for note, span in self.related:
             lines.append(f"  {span.location()}: note: {note}")
             lines += span.caret_lines()

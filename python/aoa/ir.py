@@ -90,6 +90,15 @@ class Statement:
             origin = origin.statement.origin
         return chain
 
+    def expansion(self) -> list[tuple[str, str]]:
+        """(macro, text) of each expansion step from the written statement to this one."""
+        steps = []
+        statement = self
+        while statement.origin is not None:
+            steps.append((statement.origin.macro, format_statement(statement)))
+            statement = statement.origin.statement
+        return steps[::-1]
+
     def written(self) -> Statement:
         """The statement the user wrote that this one was expanded from."""
         statement = self

@@ -1,0 +1,68 @@
+"""A drop-in for PaddlePaddle 3.3.1's FlexCheckpoint AOA engine.
+
+Same constructor arguments and the same `find_shard_sources` answers (Paddle's
+ShardMappingEntry form: global boxes, postprocess lists of permutation strings and dtype
+names), computed by aoa's compiler. Where Paddle would silently produce wrong bytes, the
+engine raises an AoaError instead (spec 0.3); queries never change state (spec 0.4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from aoa.layout import ShardDesc, normalize_shard_info
+from aoa.pipeline import analyze
+
+#: Paddle's shard descriptor; the same fields and value semantics.
+ShardedWeightDesc = ShardDesc
+
+
+@dataclass(frozen=True)
+class ShardMappingEntry:
+    target_slice: ShardDesc
+    source_slice: ShardDesc
+    postprocess_list: list[str] | None = None
+
+
+class AOAEngine:
+    """`AOAEngine(aoa_config, source_state_shard_info, destination_state_shard_info)`.
+
+    ``aoa_config`` keys: ``aoa_statements`` (list of strings), ``aoa_config_reverse``;
+    others (``enable_traceback``) are accepted and ignored: aoa errors always say where
+    they come from."""
+
+    def __init__(self, aoa_config: Mapping, source_state_shard_info: Mapping,
+                 destination_state_shard_info: Mapping | None = None) -> None:
+        self.statements: Sequence[str] = list(aoa_config.get("aoa_statements", []))
+        self.reverse = bool(aoa_config.get("aoa_config_reverse", False))
+        self.source = normalize_shard_info(source_state_shard_info, "source") or {}
+        self.destination = normalize_shard_info(destination_state_shard_info, "destination")
+        self.compilation = analyze(self.statements, self.source, self.destination,
+                                   reverse=self.reverse)
+        if self.destination is not None:
+            # Refuse wrong programs before any byte moves, not at the query that hits them.
+            self.compilation.plan()
+
+    def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
+        planner = self.compilation.planner
+        target = normalize_shard_info({"_": [target]}, "query")["_"][0]
+        entries = planner.answer(target)
+        if entries is None:
+            return []
+        planner.check(target, planner.tensor_for(target.key), entries)
+        result = []
+        for entry in entries:
+            source_shape = self.source[entry.source_key][0].global_shape
+            source_dtype = self.source[entry.source_key][0].dtype
+            result.append(ShardMappingEntry(
+                ShardDesc(target.key, _size(entry.target_lo, entry.target_hi),
+                          target.global_shape, entry.target_lo, target.dtype),
+                ShardDesc(entry.source_key, _size(entry.source_lo, entry.source_hi),
+                          source_shape, entry.source_lo, source_dtype),
+                entry.postprocess()))
+        return result
+
+
+def _size(lo: Sequence[int], hi: Sequence[int]) -> tuple[int, ...]:
+    return tuple(b - a for a, b in zip(lo, hi))

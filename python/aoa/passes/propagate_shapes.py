@@ -1,0 +1,393 @@
+"""Propagate shapes: run the statements over symbolic tensors (spec 6.1-6.6).
+
+A symbolic tensor is an ordered list of pieces, each saying "this box of me is that box of a
+source key, permuted and cast like so". Splits, concats, permutes, casts, renames and
+aliases only move boxes around, so the whole program costs time in the number of pieces,
+not in bytes. The result (every destination key's tensor) is what planning queries.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from aoa.dtypes import CAST_TARGETS
+from aoa.errors import ShapeError, ValidationError
+from aoa.ir import NOTHING, Attribute, Name, Program, Statement
+from aoa.layout import BETA_POW_SUFFIXES, split_optimizer_suffix
+from aoa.passes.context import CompileContext
+
+Box = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Permute:
+    """A permutation step: result axis i = input axis ``axes[i]``; ``text`` as Paddle lists it."""
+
+    axes: tuple[int, ...]
+    text: str
+
+
+Op = Permute | str  # a str is a cast to that dtype
+
+
+class Piece(NamedTuple):
+    """``tensor[target box] = ops(source[key][source box])``; ``order`` is the composition
+    of the permutations: target axis i = source axis order[i] (None: identity)."""
+
+    key: str
+    source_lo: Box
+    source_hi: Box
+    target_lo: Box
+    target_hi: Box
+    ops: tuple[Op, ...]
+    order: tuple[int, ...] | None
+
+
+@dataclass(slots=True)
+class Tensor:
+    shape: tuple[int, ...]
+    dtype: str | None  # the source dtype, as Paddle records it (casts do not change it)
+    pieces: list[Piece]
+    uses: int = 0
+    name: str = ""
+
+
+@dataclass
+class SymbolicState:
+    """What shape propagation leaves for planning."""
+
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Tensor | None]
+    #: every name's latest binding (intermediates)
+    bound: dict[str, Tensor] = field(default_factory=dict)
+    #: `X -> _`: source key -> the statement that deleted it (removal is global, Q27)
+    removed: dict[str, Statement] = field(default_factory=dict)
+    #: `_ -> Y`: destinations that get no bytes
+    added: set[str] = field(default_factory=set)
+    #: destination key -> the statement that wrote it last (for error messages)
+    writers: dict[str, Statement] = field(default_factory=dict)
+
+
+def _error(cls, message: str, span, statement: Statement | None, hint: str | None = None):
+    return cls(message, span, hint=hint,
+               expanded_from=statement.expansion() if statement is not None else ())
+
+
+def _permute_box(lo: Box, hi: Box, order: Sequence[int]) -> tuple[Box, Box]:
+    return tuple(lo[a] for a in order), tuple(hi[a] for a in order)
+
+
+def _unpermute_box(lo: Box, hi: Box, order: Sequence[int]) -> tuple[Box, Box]:
+    new_lo, new_hi = [0] * len(order), [0] * len(order)
+    for i, a in enumerate(order):
+        new_lo[a], new_hi[a] = lo[i], hi[i]
+    return tuple(new_lo), tuple(new_hi)
+
+
+def split(tensor: Tensor, axis: int, parts: int) -> list[Tensor]:
+    size = tensor.shape[axis] // parts
+    shape = tensor.shape[:axis] + (size,) + tensor.shape[axis + 1:]
+    result = []
+    for j in range(parts):
+        start, stop = j * size, (j + 1) * size
+        pieces = []
+        for piece in tensor.pieces:
+            t_lo, t_hi = piece.target_lo[axis], piece.target_hi[axis]
+            lo, hi = max(t_lo, start), min(t_hi, stop)
+            if lo >= hi:
+                continue
+            order = piece.order
+            s_lo, s_hi = ((piece.source_lo, piece.source_hi) if order is None else
+                          _permute_box(piece.source_lo, piece.source_hi, order))
+            a_lo = s_lo[axis] + lo - t_lo
+            s_lo = s_lo[:axis] + (a_lo,) + s_lo[axis + 1:]
+            s_hi = s_hi[:axis] + (a_lo + hi - lo,) + s_hi[axis + 1:]
+            if order is not None:
+                s_lo, s_hi = _unpermute_box(s_lo, s_hi, order)
+            pieces.append(Piece(
+                piece.key, s_lo, s_hi,
+                piece.target_lo[:axis] + (lo - start,) + piece.target_lo[axis + 1:],
+                piece.target_hi[:axis] + (hi - start,) + piece.target_hi[axis + 1:],
+                piece.ops, order))
+        result.append(Tensor(shape, tensor.dtype, pieces))
+    tensor.uses += parts
+    return result
+
+
+def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
+    pieces: list[Piece] = []
+    offset = 0
+    for tensor in tensors:
+        for piece in tensor.pieces:
+            pieces.append(piece._replace(
+                target_lo=piece.target_lo[:axis] + (piece.target_lo[axis] + offset,)
+                + piece.target_lo[axis + 1:],
+                target_hi=piece.target_hi[:axis] + (piece.target_hi[axis] + offset,)
+                + piece.target_hi[axis + 1:]))
+        offset += tensor.shape[axis]
+        tensor.uses += 1
+    first = tensors[0].shape
+    return Tensor(first[:axis] + (offset,) + first[axis + 1:], tensors[0].dtype, pieces)
+
+
+def transpose(tensor: Tensor, permute: Permute) -> Tensor:
+    axes = permute.axes
+    pieces = []
+    for piece in tensor.pieces:
+        order = tuple(axes) if piece.order is None else tuple(piece.order[a] for a in axes)
+        pieces.append(Piece(piece.key, piece.source_lo, piece.source_hi,
+                            tuple(piece.target_lo[a] for a in axes),
+                            tuple(piece.target_hi[a] for a in axes),
+                            (*piece.ops, permute), order))
+    tensor.uses += 1
+    return Tensor(tuple(tensor.shape[a] for a in axes), tensor.dtype, pieces)
+
+
+def cast(tensor: Tensor, dtype: str) -> Tensor:
+    tensor.uses += 1
+    return Tensor(tensor.shape, tensor.dtype,
+                  [piece._replace(ops=(*piece.ops, dtype)) for piece in tensor.pieces])
+
+
+def identity(tensor: Tensor) -> Tensor:
+    tensor.uses += 1
+    return Tensor(tensor.shape, tensor.dtype, tensor.pieces)
+
+
+def input_tensors(ctx: CompileContext) -> dict[str, Tensor]:
+    """One tensor per model-state key of the source (spec 6.1, quirk Q15 included)."""
+    inputs: dict[str, Tensor] = {}
+    dtype = None
+    for key in sorted(ctx.source):
+        shards = ctx.source[key]
+        model_key, suffix = split_optimizer_suffix(key)
+        shape = tuple(shards[0].global_shape)
+        if suffix is None:
+            dtype = shards[0].dtype
+        if model_key in inputs or suffix in BETA_POW_SUFFIXES:
+            continue
+        zeros = (0,) * len(shape)
+        inputs[model_key] = Tensor(shape, dtype, [Piece(model_key, zeros, shape, zeros, shape,
+                                                        (), None)], name=model_key)
+    return inputs
+
+
+class _Machine:
+    def __init__(self, ctx: CompileContext) -> None:
+        self.ctx = ctx
+        self.reverse = ctx.reverse
+        self.inputs = input_tensors(ctx)
+        self.state = SymbolicState(self.inputs, {})
+        self.bound = self.state.bound
+        self.destination_keys = ctx.destination_keys
+
+    def ref(self, name: Name, statement: Statement) -> Tensor:
+        tensor = self.bound.get(name.text) or self.inputs.get(name.text)
+        if tensor is None:
+            raise _error(ShapeError, f"'{name.text}' is neither a source key nor assigned "
+                         "before", name.span, statement,
+                         hint="Check the spelling against the source keys, or assign it in "
+                              "an earlier statement.")
+        return tensor
+
+    def bind(self, name: Name, tensor: Tensor, statement: Statement) -> None:
+        self.bound[name.text] = tensor
+        if not tensor.name:
+            tensor.name = name.text
+        if name.text in self.destination_keys:
+            self.state.outputs[name.text] = tensor
+            self.state.writers[name.text] = statement
+
+    def axis(self, statement: Statement, tensor: Tensor, attributes: Sequence[Attribute]) -> int:
+        if len(attributes) != 1 or attributes[0].key != "axis":
+            given = ", ".join(f"{a.key}={a.value!r}" for a in attributes) or "none"
+            raise _error(ShapeError, "a split or concat takes exactly one attribute, axis=N "
+                         f"(given: {given})", statement.span, statement,
+                         hint="Write `a -> b, c, axis=0`; casts and permutes go in statements "
+                              "of their own.")
+        return self.check_axis(attributes[0], tensor, statement)
+
+    def check_axis(self, attribute: Attribute, tensor: Tensor, statement: Statement) -> int:
+        value = attribute.value
+        if not isinstance(value, int):
+            raise _error(ShapeError, f"axis must be a number, not {value!r}", attribute.span,
+                         statement)
+        if value >= len(tensor.shape):
+            raise _error(ShapeError, f"axis {value} is out of range for '{tensor.name}' of "
+                         f"shape {list(tensor.shape)}", attribute.span, statement,
+                         hint=f"Axes count from 0 to {len(tensor.shape) - 1}.")
+        return value
+
+    def run(self, program: Program) -> SymbolicState:
+        statements = program.statements[::-1] if self.reverse else program.statements
+        for statement in statements:
+            self.execute(statement)
+        return self.state
+
+    def execute(self, statement: Statement) -> None:
+        left, right = ((statement.right, statement.left) if self.reverse
+                       else (statement.left, statement.right))
+        attributes = statement.attributes
+        if len(left) > 1 and len(right) > 1:
+            raise _error(ShapeError, "a statement has several names on one side at most",
+                         statement.span, statement,
+                         hint="Split `a, b -> c, d` into a concat and a split.")
+        if len(right) > 1:
+            source = self.ref(left[0], statement)
+            axis = self.axis(statement, source, attributes)
+            if source.shape[axis] % len(right):
+                raise _error(ShapeError, f"cannot split '{left[0].text}' of shape "
+                             f"{list(source.shape)} into {len(right)} equal parts along axis "
+                             f"{axis}", statement.span, statement,
+                             hint=f"The size {source.shape[axis]} must be a multiple of "
+                                  f"{len(right)}.")
+            for name, part in zip(right, split(source, axis, len(right))):
+                self.bind(name, part, statement)
+            return
+        if len(left) > 1:
+            tensors = [self.ref(name, statement) for name in left]
+            axis = self.axis(statement, tensors[0], attributes)
+            self.check_concat(statement, left, tensors, axis)
+            self.bind(right[0], concat(tensors, axis), statement)
+            return
+        (source_name,), (target,) = left, right
+        if target.text == NOTHING:
+            self.state.removed[source_name.text] = statement
+            return
+        if source_name.text == NOTHING:
+            self.state.added.add(target.text)
+            return
+        source = self.ref(source_name, statement)
+        if not attributes:
+            self.bind(target, identity(source), statement)
+            return
+        self.bind(target, self.unary(statement, source, attributes), statement)
+
+    def check_concat(self, statement, names, tensors, axis) -> None:
+        first = tensors[0]
+        for name, tensor in zip(names[1:], tensors[1:]):
+            if len(tensor.shape) != len(first.shape) or any(
+                    a != b for i, (a, b) in enumerate(zip(tensor.shape, first.shape))
+                    if i != axis):
+                raise _error(ValidationError, f"cannot concatenate '{name.text}' of shape "
+                             f"{list(tensor.shape)} with '{names[0].text}' of shape "
+                             f"{list(first.shape)} along axis {axis}", name.span, statement,
+                             hint="All dimensions but the concat axis must be equal.")
+            if tensor.dtype != first.dtype:
+                raise _error(ShapeError, f"cannot concatenate '{name.text}' ({tensor.dtype}) "
+                             f"with '{names[0].text}' ({first.dtype}): the dtypes differ",
+                             name.span, statement,
+                             hint="Cast the tensors to one dtype after the concat.")
+
+    def unary(self, statement: Statement, source: Tensor, attributes) -> Tensor:
+        keys = [a.key for a in attributes]
+        if len(attributes) == 2 and set(keys) == {"src_dtype", "dst_dtype"}:
+            values = {a.key: a for a in attributes}
+            for attribute in attributes:
+                self.check_dtype(attribute, statement)
+            chosen = values["src_dtype" if self.reverse else "dst_dtype"]
+            return cast(source, chosen.value)
+        if len(attributes) != 1:
+            raise _error(ShapeError, "a one-to-one statement takes one attribute (or the pair "
+                         f"src_dtype, dst_dtype), not {', '.join(keys)}", attributes[1].span,
+                         statement, hint="Write each operation as a statement of its own.")
+        (attribute,) = attributes
+        if attribute.key in ("permute", "transpose"):
+            if attribute.key == "transpose":
+                self.ctx.note("'transpose=' is the older spelling of 'permute='",
+                              attribute.span)
+            return transpose(source, self.permutation(attribute, source, statement))
+        if attribute.key == "dtype":
+            if self.reverse:
+                raise _error(ShapeError, "in reverse mode a cast must say both dtypes",
+                             attribute.span, statement,
+                             hint="Write src_dtype='...', dst_dtype='...' so the reverse "
+                                  "run knows what to cast back to.")
+            self.check_dtype(attribute, statement)
+            return cast(source, attribute.value)
+        if attribute.key == "axis":
+            self.check_axis(attribute, source, statement)
+            self.ctx.note("a single name on each side with axis= is an alias: the right "
+                          "name is the very same tensor", attribute.span)
+            return source
+        if attribute.key == "src_dtype":
+            raise _error(ShapeError, "src_dtype needs dst_dtype beside it", attribute.span,
+                         statement, hint="Write src_dtype='...', dst_dtype='...'.")
+        raise _error(ShapeError, f"unsupported attribute '{attribute.key}'", attribute.span,
+                     statement, hint="A one-to-one statement takes permute=, dtype=, "
+                                     "src_dtype= with dst_dtype=, or axis=.")
+
+    def check_dtype(self, attribute: Attribute, statement: Statement) -> None:
+        if attribute.value not in CAST_TARGETS:
+            raise _error(ShapeError, f"cannot cast to {attribute.value!r}", attribute.span,
+                         statement, hint="Casts go to one of " + ", ".join(CAST_TARGETS) + ".")
+
+    def permutation(self, attribute: Attribute, source: Tensor, statement) -> Permute:
+        rank = len(source.shape)
+        text = attribute.value
+        if text == "[]":
+            axes = tuple(range(rank - 1, -1, -1))
+            return Permute(axes, str(list(axes)))
+        try:
+            value = ast.literal_eval(text) if isinstance(text, str) else None
+        except (ValueError, SyntaxError):
+            value = None
+        if (not isinstance(value, list) or sorted(value) != list(range(rank))
+                or not all(isinstance(v, int) for v in value)):
+            raise _error(ValidationError, f"permute={text!r} is not a permutation of the "
+                         f"{rank} axes of '{source.name}' (shape {list(source.shape)})",
+                         attribute.span, statement,
+                         hint=f"List each axis 0..{rank - 1} once, e.g. "
+                              f"'{list(range(rank))[::-1]}'.")
+        axes = tuple(value)
+        if self.reverse:
+            inverse = [0] * rank
+            for i, a in enumerate(axes):
+                inverse[a] = i
+            return Permute(tuple(inverse), str(inverse))
+        return Permute(axes, text)
+
+
+def select_outputs(state: SymbolicState, ctx: CompileContext) -> None:
+    """Which tensor each destination key gets (spec 6.6)."""
+    outputs = state.outputs
+    if ctx.destination is not None:
+        selected: dict[str, Tensor | None] = {}
+        for key in ctx.destination:
+            model_key = split_optimizer_suffix(key)[0]
+            if model_key in selected:
+                continue
+            if model_key in outputs:
+                selected[model_key] = outputs[model_key]
+            elif model_key in state.added:
+                selected[model_key] = None
+            elif model_key in state.inputs:
+                selected[model_key] = identity(state.inputs[model_key])
+            else:
+                raise ValidationError(
+                    f"destination key '{model_key}' is written by no statement, and the "
+                    "source has no key of that name",
+                    hint=f"Map a source key to it (`some.key -> {model_key}`), or declare it "
+                         f"empty with `_ -> {model_key}`.")
+        state.outputs = selected
+        return
+    # No destination: every tensor nobody consumed is an output, inputs first.
+    selected = {name: Tensor(t.shape, t.dtype, t.pieces, name=name)
+                for name, t in state.inputs.items() if t.uses == 0 and name not in state.removed}
+    taken = {id(state.inputs[name]) for name in selected}
+    for name, tensor in state.bound.items():
+        if tensor.uses == 0 and name not in selected and id(tensor) not in taken:
+            taken.add(id(tensor))
+            selected[name] = Tensor(tensor.shape, tensor.dtype, tensor.pieces, name=name)
+    state.outputs = selected
+
+
+def run(program: Program, ctx: CompileContext) -> Program:
+    state = _Machine(ctx).run(program)
+    select_outputs(state, ctx)
+    ctx.facts["symbolic"] = state
+    return program
+

@@ -1,0 +1,69 @@
+"""The compiler: text -> IR -> passes -> Plan, as a tuple of passes run in order.
+
+Each pass is `run(program, ctx) -> program`; `after_pass` is called after each one
+(for `--print-after`, `--time-passes` and invariant checks in tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from aoa.ir import Program
+from aoa.layout import ShardDesc, normalize_shard_info
+from aoa.passes import expand_fused, expand_macros, propagate_shapes, resolve_chains
+from aoa.passes.context import CompileContext
+from aoa.passes.parse import parse
+from aoa.passes.plan import Planner
+from aoa.plan import Plan
+
+PASSES: tuple[tuple[str, Callable[[Program, CompileContext], Program]], ...] = (
+    ("expand_macros", expand_macros.run),
+    ("resolve_chains", resolve_chains.run),
+    ("expand_fused", expand_fused.run),
+    ("propagate_shapes", propagate_shapes.run),
+)
+
+AfterPass = Callable[[str, Program, CompileContext], None]
+
+
+@dataclass
+class Compilation:
+    """Everything the compiler knows after the passes: the expanded program and the planner."""
+
+    written: Program
+    program: Program
+    ctx: CompileContext
+    planner: Planner
+
+    def plan(self, targets: Sequence[ShardDesc] | None = None) -> Plan:
+        return self.planner.plan(targets)
+
+
+def analyze(statements: str | Sequence[str], source: Mapping, destination: Mapping | None = None,
+            *, reverse: bool = False, file: str | None = None,
+            after_pass: AfterPass | None = None) -> Compilation:
+    """Run every pass; the result can answer queries (compat engine) or build the plan."""
+    ctx = CompileContext(normalize_shard_info(source, "source") or {},
+                         normalize_shard_info(destination, "destination"), reverse)
+    written = parse(statements, file=file)
+    program = written
+    if after_pass:
+        after_pass("parse", program, ctx)
+    for name, run in PASSES:
+        program = run(program, ctx)
+        if after_pass:
+            after_pass(name, program, ctx)
+    return Compilation(written, program, ctx, Planner(ctx))
+
+
+def compile(statements: str | Sequence[str], source: Mapping[str, Sequence[ShardDesc]],
+            destination: Mapping[str, Sequence[ShardDesc]] | None = None, *,
+            reverse: bool = False, file: str | None = None) -> Plan:
+    """Compile AOA statements into a validated Plan.
+
+    ``statements`` is the text of a `.aoa` file or Paddle's list of statement strings;
+    ``source`` and ``destination`` map keys to shard descriptions (``destination=None``:
+    derive the outputs, as Paddle's full export does); ``reverse`` runs the program
+    backwards (Paddle's ``aoa_config_reverse``)."""
+    return analyze(statements, source, destination, reverse=reverse, file=file).plan()
