@@ -261,5 +261,14 @@ class Planner:
                         tuple(size), s,
                         tuple(a - o for a, o in zip(lo, shard.global_offset)),
                         order, self.lower_casts(entry.ops, shard.dtype, target.dtype)))
+        if targets is None:
+            self._note_unused_sources({shard.key for shard in sources})
         notes = [note.render() for note in self.ctx.notes]
         return Plan(sources, destinations, copies, notes, untouched)
+
+    def _note_unused_sources(self, used: set[str]) -> None:
+        unused = sorted(set(self.ctx.source) - used)
+        if unused:
+            shown = ", ".join(f"'{k}'" for k in unused[:5])
+            more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+            self.ctx.note(f"{len(unused)} source keys are used by nothing: {shown}{more}")

@@ -1,0 +1,170 @@
+"""The `aoa` command line: compile, explain, check (and the main job, convert and demo)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from aoa.errors import AoaError, UsageError
+from aoa.layout import ShardDesc
+from aoa.pipeline import Compilation, analyze
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+
+
+def read_mapping(path: str) -> tuple[str | list[str], bool, str]:
+    """A `.aoa` file, or JSON: a list of statements or Paddle's aoa_config dict.
+
+    Returns (statements, reverse flag from the file, file name for messages)."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as error:
+        raise UsageError(f"cannot read mapping {path}: {error.strerror}") from None
+    if file.suffix != ".json":
+        return text, False, str(file)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}"
+                         ) from None
+    if isinstance(data, dict):
+        return (list(data.get("aoa_statements", [])), bool(data.get("aoa_config_reverse")),
+                str(file))
+    if isinstance(data, list) and all(isinstance(s, str) for s in data):
+        return data, False, str(file)
+    raise UsageError(f"{path}: expected a list of statements or an object with "
+                     "'aoa_statements'")
+
+
+def read_shard_info(path: str | None, what: str) -> dict[str, list[ShardDesc]] | None:
+    """Shard-info JSON: {key: [{key, local_shape, global_shape, global_offset, dtype}, ...]}."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise UsageError(f"cannot read {what} shard info {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}"
+                         ) from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected an object mapping keys to lists of shards")
+    try:
+        return {key: [ShardDesc.from_json(s) for s in (shards if isinstance(shards, list)
+                                                       else [shards])]
+                for key, shards in data.items()}
+    except (KeyError, TypeError, ValueError) as error:
+        raise UsageError(f"{path}: a shard description needs key, local_shape, global_shape, "
+                         f"global_offset and dtype ({error})") from None
+
+
+def _compilation(args) -> Compilation:
+    statements, reverse, file = read_mapping(args.mapping)
+    return analyze(statements, read_shard_info(args.source, "source") or {},
+                   read_shard_info(args.destination, "destination"),
+                   reverse=reverse or args.reverse, file=file)
+
+
+def cmd_compile(args) -> int:
+    compilation = _compilation(args)
+    plan = compilation.plan()
+    text = json.dumps(plan.to_json(), indent=1)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}: {len(plan.destinations)} destination shards, "
+              f"{len(plan.copies)} copies")
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def cmd_explain(args) -> int:
+    compilation = _compilation(args)
+    print("# statements after macro expansion")
+    for statement in compilation.program.statements:
+        written = statement.written()
+        where = written.span.location() if written.span else "?"
+        steps = [macro for macro, _ in statement.expansion()]
+        via = f"  [{where}{' via ' + ', '.join(steps) if steps else ''}]"
+        print(f"{statement}{via}")
+    print()
+    print("# destination keys and their pieces")
+    state = compilation.ctx.facts["symbolic"]
+    for key, tensor in state.outputs.items():
+        if tensor is None:
+            print(f"{key}: declared empty (`_ -> {key}`), left as it is")
+            continue
+        print(f"{key}: shape {list(tensor.shape)}, source dtype {tensor.dtype}")
+        for piece in tensor.pieces:
+            target = ", ".join(f"{a}:{b}" for a, b in zip(piece.target_lo, piece.target_hi))
+            source = ", ".join(f"{a}:{b}" for a, b in zip(piece.source_lo, piece.source_hi))
+            ops = [op.text if hasattr(op, "text") else f"cast {op}" for op in piece.ops]
+            deleted = "  (deleted by `-> _`)" if piece.key in state.removed else ""
+            suffix = f"  ({'; '.join(ops)})" if ops else ""
+            print(f"    [{target}] <- {piece.key}[{source}]{suffix}{deleted}")
+    if args.plan:
+        print()
+        print(compilation.plan().describe())
+    return EXIT_OK
+
+
+def cmd_check(args) -> int:
+    compilation = _compilation(args)
+    compilation.plan()
+    for note in compilation.ctx.notes:
+        print(note.render())
+    print(f"ok: {len(compilation.program.statements)} statements after expansion, "
+          f"{len(compilation.ctx.notes)} notes")
+    return EXIT_OK
+
+
+def _add_program_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("mapping", help="AOA statements: a .aoa file, or JSON (a list of "
+                                        "statements or Paddle's aoa_config)")
+    parser.add_argument("--source", required=True, help="source shard info (JSON)")
+    parser.add_argument("--destination", help="destination shard info (JSON); without it "
+                                              "the outputs are derived, as in a full export")
+    parser.add_argument("--reverse", action="store_true",
+                        help="run the program backwards (Paddle's aoa_config_reverse)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aoa", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    compile_parser = commands.add_parser("compile", help="compile a mapping into a plan (JSON)")
+    _add_program_arguments(compile_parser)
+    compile_parser.add_argument("-o", "--output", help="write the plan here (default stdout)")
+    compile_parser.set_defaults(run=cmd_compile)
+    explain = commands.add_parser("explain", help="show the expanded statements and, per "
+                                                  "destination key, its pieces")
+    _add_program_arguments(explain)
+    explain.add_argument("--plan", action="store_true", help="also describe the plan")
+    explain.set_defaults(run=cmd_explain)
+    check = commands.add_parser("check", help="report errors and notes (exit 1 on errors)")
+    _add_program_arguments(check)
+    check.set_defaults(run=cmd_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:
+        return EXIT_USAGE if exit.code else EXIT_OK
+    try:
+        return args.run(args)
+    except UsageError as error:
+        print(f"aoa: {error.render()}", file=sys.stderr)
+        return EXIT_USAGE
+    except AoaError as error:
+        print(error.render(), file=sys.stderr)
+        return EXIT_ERRORS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
