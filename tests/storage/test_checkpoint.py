@@ -205,6 +205,34 @@ def test_overlapping_chunks(tmp_path: Path) -> None:
     )
 
 
+def test_overlap_inside_a_grid_of_chunks(tmp_path: Path, monkeypatch) -> None:
+    chunks = {f"{i}{j}": ([2 * i, 3 * j], (2, 3)) for i in range(3) for j in range(3)}
+    chunks["extra"] = ([3, 4], (1, 1))  # inside chunk "12"
+    for name, (offset, shape) in chunks.items():
+        dcp_file(tmp_path / f"{name}.safetensors", {"w": (arange(*shape), offset)})
+    expected = (
+        f"tensor 'w': chunk at [2, 3] in {tmp_path / '11.safetensors'} overlaps chunk at "
+        f"[3, 4] in {tmp_path / 'extra.safetensors'}"
+    )
+    assert storage_error(open_source_checkpoint, tmp_path) == expected
+    monkeypatch.setattr("aoa.storage.checkpoint._MAX_GRID_CELLS", 0)  # the pairwise path
+    assert storage_error(open_source_checkpoint, tmp_path) == expected
+    (tmp_path / "extra.safetensors").unlink()
+    with open_source_checkpoint(tmp_path) as checkpoint:
+        assert checkpoint.shards["w"][0].global_shape == (6, 9)
+
+
+def test_scalar_chunks_and_empty_chunks(tmp_path: Path) -> None:
+    dcp_file(tmp_path / "a.safetensors", {"s": (np.array(1, np.float32), [])})
+    dcp_file(tmp_path / "b.safetensors", {"e": (arange(0, 3), [0, 0])})
+    dcp_file(tmp_path / "c.safetensors", {"e": (arange(2, 3), [0, 0])})
+    with open_source_checkpoint(tmp_path) as checkpoint:  # an empty chunk overlaps nothing
+        assert checkpoint.shards["s"][0].global_shape == ()
+        assert [s.local_shape for s in checkpoint.shards["e"]] == [(0, 3), (2, 3)]
+    dcp_file(tmp_path / "b.safetensors", {"s": (np.array(2, np.float32), [])})
+    assert "overlaps chunk" in storage_error(open_source_checkpoint, tmp_path)
+
+
 def test_chunks_that_leave_a_hole(tmp_path: Path) -> None:
     dcp_file(tmp_path / "a.safetensors", {"w": (arange(2, 2), [0, 0])})
     dcp_file(tmp_path / "b.safetensors", {"w": (arange(2, 2), [2, 2])})

@@ -18,6 +18,7 @@ so a dry run can print the plan and several processes can each write their own f
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -251,26 +252,79 @@ def _key_shards(
     return shards
 
 
+#: Above this many boundary-grid cells (irregular chunks), compare chunks pairwise instead.
+_MAX_GRID_CELLS = 1 << 22
+
+
 def _check_tiling(key: str, shards: list[SourceShard]) -> None:
     """No two chunks share an element, and together they cover the global shape."""
-    starts = np.array([shard.global_offset for shard in shards])
-    ends = starts + np.array([shard.local_shape for shard in shards])
-    inner = np.minimum(ends[:, None], ends[None]) > np.maximum(starts[:, None], starts[None])
-    overlapping = np.triu(inner.all(axis=2), k=1)
-    if overlapping.any():
-        i, j = (int(n) for n in np.argwhere(overlapping)[0])
+    shape = shards[0].global_shape
+    solid = [shard for shard in shards if math.prod(shard.local_shape)]  # others hold nothing
+    boxes = (len(solid), len(shape))
+    starts = np.array([shard.global_offset for shard in solid], np.int64).reshape(boxes)
+    ends = starts + np.array([shard.local_shape for shard in solid], np.int64).reshape(boxes)
+    pair = _overlapping_pair(starts, ends)
+    if pair is not None:
+        first, second = (solid[n] for n in pair)
         raise StorageError(
-            f"tensor '{key}': chunk at {list(shards[i].global_offset)} in {shards[i].file} "
-            f"overlaps chunk at {list(shards[j].global_offset)} in {shards[j].file}"
+            f"tensor '{key}': chunk at {list(first.global_offset)} in {first.file} "
+            f"overlaps chunk at {list(second.global_offset)} in {second.file}"
         )
-    covered = sum(math.prod(shard.local_shape) for shard in shards)
-    if covered != math.prod(shards[0].global_shape):
+    covered = sum(math.prod(shard.local_shape) for shard in solid)
+    if covered != math.prod(shape):
         raise StorageError(
-            f"tensor '{key}': its chunks cover {covered} of the "
-            f"{math.prod(shards[0].global_shape)} elements of its global shape "
-            f"{list(shards[0].global_shape)}; files: "
+            f"tensor '{key}': its chunks cover {covered} of the {math.prod(shape)} elements of "
+            f"its global shape {list(shape)}; files: "
             + ", ".join(sorted({str(shard.file) for shard in shards}))
         )
+
+
+def _overlapping_pair(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+    """Two boxes [start, end) that share an element, if any.
+
+    Counted on the grid of all box boundaries: a cell between consecutive boundaries is
+    wholly inside a box or wholly outside, so a cell inside two boxes is an overlap. The
+    counts come from a difference array (+1/-1 at each box's corners, then a cumulative sum
+    per axis), in time linear in boxes and cells; irregular boxes fall back to pairs.
+    """
+    count, ndim = starts.shape
+    if count < 2:
+        return None
+    if ndim == 0:
+        return (0, 1)
+    bounds = [np.unique(np.concatenate([starts[:, a], ends[:, a]])) for a in range(ndim)]
+    if math.prod(len(b) - 1 for b in bounds) > _MAX_GRID_CELLS:
+        return _overlapping_pair_pairwise(starts, ends)
+    low = [np.searchsorted(bounds[a], starts[:, a]) for a in range(ndim)]
+    high = [np.searchsorted(bounds[a], ends[:, a]) for a in range(ndim)]
+    cells = np.zeros([len(b) for b in bounds], np.int32)
+    for corner in itertools.product((False, True), repeat=ndim):
+        index = tuple(high[a] if up else low[a] for a, up in enumerate(corner))
+        np.add.at(cells, index, -1 if sum(corner) % 2 else 1)
+    for axis in range(ndim):
+        cells = np.cumsum(cells, axis=axis)
+    crowded = np.argwhere(cells > 1)
+    if not len(crowded):
+        return None
+    point = np.array([bounds[a][crowded[0][a]] for a in range(ndim)])
+    inside = np.flatnonzero(((starts <= point) & (point < ends)).all(axis=1))
+    return int(inside[0]), int(inside[1])
+
+
+def _overlapping_pair_pairwise(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+    """The same answer by comparing each box with every later one, a block at a time."""
+    for first in range(0, len(starts), 256):
+        block = slice(first, first + 256)
+        inner = np.minimum(ends[block, None], ends[None]) > np.maximum(
+            starts[block, None], starts[None]
+        )
+        shared = inner.all(axis=2) & (
+            np.arange(len(starts))[None] > np.arange(first, first + len(inner))[:, None]
+        )
+        if shared.any():
+            i, j = np.argwhere(shared)[0]
+            return first + int(i), int(j)
+    return None
 
 
 # ----------------------------------------------------------------------- destination side
