@@ -233,16 +233,11 @@ def _key_shards(
     chunks = [
         (file.path, file.tensors[key], offset or (0,) * len(first.shape)) for file, offset in found
     ]
-    global_shape = tuple(
-        max(axis)
-        for axis in zip(
-            *(
-                [start + size for start, size in zip(offset, info.shape, strict=True)]
-                for _, info, offset in chunks
-            ),
-            strict=True,
-        )
-    )
+    ends = [
+        tuple(start + size for start, size in zip(offset, info.shape, strict=True))
+        for _, info, offset in chunks
+    ]
+    global_shape = tuple(map(max, zip(*ends, strict=True)))
     shards = [
         SourceShard(key, info.shape, global_shape, offset, info.dtype, path, info.nbytes)
         for path, info, offset in chunks
