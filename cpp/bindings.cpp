@@ -1,0 +1,78 @@
+// aoa._core: the copy kernel for Python. Converts the arguments, releases the GIL, runs
+// the loops; the table format and every check live in copy_kernel.cpp.
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "copy_kernel.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+// The bytes of any buffer-protocol object, contiguous, open while this lives. Asked for
+// without an item format: numpy exports bfloat16 and fp8 arrays only that way (and
+// py::buffer::request always asks for one), and the kernel needs bytes only.
+class ByteView {
+ public:
+  ByteView(py::handle object, const std::string& name, bool writable) {
+    if (PyObject_GetBuffer(object.ptr(), &view_, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0) {
+      const py::error_already_set error;
+      throw py::value_error(name + " is not a " + (writable ? "writable " : "") +
+                            "contiguous buffer: " + error.what());
+    }
+  }
+  ByteView(const ByteView&) = delete;
+  ByteView& operator=(const ByteView&) = delete;
+  ~ByteView() { PyBuffer_Release(&view_); }
+  uint8_t* data() const { return static_cast<uint8_t*>(view_.buf); }
+  int64_t size() const { return static_cast<int64_t>(view_.len); }
+
+ private:
+  Py_buffer view_{};
+};
+
+void execute_copies(const py::buffer& table, const py::sequence& sources,
+                    const py::sequence& destinations, int64_t threads) {
+  const py::buffer_info fields = table.request();
+  if (!fields.item_type_is_equivalent_to<int64_t>() || fields.ndim != 1 ||
+      (fields.size > 1 && fields.strides[0] != 8))
+    throw py::value_error("the copy table must be a contiguous 1-d buffer of int64");
+
+  std::vector<std::unique_ptr<ByteView>> views;  // kept open until the copies are done
+  std::vector<aoa::SourceBuffer> source_buffers;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    views.push_back(std::make_unique<ByteView>(sources[i], "source " + std::to_string(i), false));
+    source_buffers.push_back({views.back()->data(), views.back()->size()});
+  }
+  std::vector<aoa::DestinationBuffer> destination_buffers;
+  for (size_t i = 0; i < destinations.size(); ++i) {
+    views.push_back(
+        std::make_unique<ByteView>(destinations[i], "destination " + std::to_string(i), true));
+    destination_buffers.push_back({views.back()->data(), views.back()->size()});
+  }
+
+  py::gil_scoped_release release;
+  aoa::execute_copies(static_cast<const int64_t*>(fields.ptr), fields.size, source_buffers,
+                      destination_buffers, threads);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "The aoa copy kernel: strided region copies with fused casts, over threads.";
+  py::register_exception<aoa::CopyError>(m, "CopyError", PyExc_ValueError);
+
+  py::dict codes;
+  for (int64_t code = 0; code < aoa::kDtypeCount; ++code)
+    codes[aoa::dtype_name(static_cast<aoa::Dtype>(code))] = code;
+  m.attr("DTYPE_CODES") = codes;
+
+  m.def("execute_copies", &execute_copies, py::arg("table"), py::arg("sources"),
+        py::arg("destinations"), py::arg("threads") = 1,
+        "Run every copy of `table` (int64 records, see cpp/copy_kernel.hpp) from the `sources`\n"
+        "buffers into the writable `destinations`, on up to `threads` threads, the GIL\n"
+        "released. Raises CopyError (a ValueError) naming the copy before any byte moves.");
+}

@@ -1,0 +1,426 @@
+#include "copy_kernel.hpp"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace aoa {
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// Rows: `count` elements, strided on both sides. Every loop below ends in one of these.
+
+using RowFn = void (*)(const uint8_t* source, int64_t source_stride, uint8_t* destination,
+                       int64_t destination_stride, int64_t count);
+
+template <int64_t Size>
+void copy_row(const uint8_t* source, int64_t source_stride, uint8_t* destination,
+              int64_t destination_stride, int64_t count) {
+  if (source_stride == Size && destination_stride == Size) {
+    std::memcpy(destination, source, static_cast<size_t>(count * Size));
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(destination + i * destination_stride, source + i * source_stride, Size);
+}
+
+template <Dtype S, Dtype D>
+inline void cast_one(const uint8_t* source, uint8_t* destination) {
+  StorageT<S> value;
+  std::memcpy(&value, source, sizeof value);
+  const StorageT<D> result = cast_element<S, D>(value);
+  std::memcpy(destination, &result, sizeof result);
+}
+
+template <Dtype S, Dtype D>
+void cast_row(const uint8_t* source, int64_t source_stride, uint8_t* destination,
+              int64_t destination_stride, int64_t count) {
+  constexpr int64_t kIn = sizeof(StorageT<S>), kOut = sizeof(StorageT<D>);
+  if (source_stride == kIn && destination_stride == kOut) {  // constant strides vectorize
+    for (int64_t i = 0; i < count; ++i) cast_one<S, D>(source + i * kIn, destination + i * kOut);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i)
+    cast_one<S, D>(source + i * source_stride, destination + i * destination_stride);
+}
+
+template <Dtype S, Dtype D> constexpr RowFn cast_row_or_null() {
+  if constexpr (is_value_cast(S, D)) return &cast_row<S, D>;
+  return nullptr;
+}
+
+template <size_t... I>
+constexpr std::array<RowFn, sizeof...(I)> make_cast_rows(std::index_sequence<I...>) {
+  return {cast_row_or_null<static_cast<Dtype>(I / kDtypeCount),
+                           static_cast<Dtype>(I % kDtypeCount)>()...};
+}
+
+constexpr auto kCastRows =
+    make_cast_rows(std::make_index_sequence<static_cast<size_t>(kDtypeCount * kDtypeCount)>{});
+
+RowFn cast_row_for(Dtype source, Dtype destination) {
+  return kCastRows[static_cast<size_t>(static_cast<int64_t>(source) * kDtypeCount +
+                                       static_cast<int64_t>(destination))];
+}
+
+RowFn copy_row_for(int64_t itemsize) {
+  switch (itemsize) {
+    case 8: return &copy_row<8>;
+    case 4: return &copy_row<4>;
+    case 2: return &copy_row<2>;
+    default: return &copy_row<1>;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// A validated copy, its axes simplified into loop order.
+
+struct Axis {
+  int64_t extent;
+  int64_t source_stride;
+  int64_t destination_stride;
+};
+
+struct CastStep {
+  RowFn row;
+  int64_t output_itemsize;
+};
+
+struct PlannedCopy {
+  const uint8_t* source;  // at the offset
+  uint8_t* destination;
+  int64_t source_itemsize;
+  int64_t destination_itemsize;
+  std::vector<Axis> axes;       // outermost first; empty for a single element
+  std::vector<CastStep> steps;  // one row per rounding step; one plain copy when none
+  bool tiled;                   // the last two axes are walked in square tiles
+  int64_t bytes;                // read plus written: the weight for splitting work
+};
+
+// Elements per tile side: 64 x 64 of 4-byte items is 16 KiB each side, within L1.
+constexpr int64_t kTile = 64;
+// Elements a cast chain converts at a time through its scratch rows.
+constexpr int64_t kChainBlock = 512;
+
+std::string tuple_text(const int64_t* values, int64_t count) {
+  std::ostringstream text;
+  text << '(';
+  for (int64_t i = 0; i < count; ++i) text << (i ? ", " : "") << values[i];
+  text << (count == 1 ? ",)" : ")");
+  return text.str();
+}
+
+[[noreturn]] void refuse(size_t copy, const std::string& why) {
+  throw CopyError("copy " + std::to_string(copy) + ": " + why);
+}
+
+// Whether the bytes the region reaches lie within [0, size); the region has no zero extent.
+bool region_fits(int64_t offset, const int64_t* shape, const int64_t* strides, int64_t ndim,
+                 int64_t itemsize, int64_t size) {
+  int64_t low = offset, high = offset;  // first and last element's first byte
+  for (int64_t k = 0; k < ndim; ++k) {
+    int64_t span;
+    if (__builtin_mul_overflow(shape[k] - 1, strides[k], &span)) return false;
+    if (__builtin_add_overflow(span < 0 ? low : high, span, span < 0 ? &low : &high))
+      return false;
+  }
+  return low >= 0 && high <= size - itemsize;
+}
+
+// The dtype chain source -> via... -> destination as rows; refuses an unsupported step.
+std::vector<CastStep> cast_steps(size_t copy, const std::vector<Dtype>& chain) {
+  std::vector<CastStep> steps;
+  for (size_t k = 1; k < chain.size(); ++k) {
+    const Dtype from = chain[k - 1], to = chain[k];
+    if (is_bytes_cast(from, to)) continue;  // the bytes already are the value of `to`
+    if (!is_value_cast(from, to))
+      refuse(copy, std::string("cannot cast ") + dtype_name(from) + " to " + dtype_name(to) +
+                       ": only casts to floating types, and between integers of one size, "
+                       "are supported");
+    steps.push_back({cast_row_for(from, to), itemsize(to)});
+  }
+  if (steps.empty()) steps.push_back({copy_row_for(itemsize(chain.front())), itemsize(chain.front())});
+  return steps;
+}
+
+// Drop unit axes, order by destination stride, merge axes that are contiguous on both
+// sides (a contiguous tensor becomes one row, one memcpy), and tile a transpose.
+void simplify(PlannedCopy& copy) {
+  std::vector<Axis>& axes = copy.axes;
+  axes.erase(std::remove_if(axes.begin(), axes.end(), [](const Axis& a) { return a.extent == 1; }),
+             axes.end());
+  std::stable_sort(axes.begin(), axes.end(), [](const Axis& a, const Axis& b) {
+    return std::llabs(a.destination_stride) > std::llabs(b.destination_stride);
+  });
+  std::vector<Axis> merged;
+  for (const Axis& axis : axes) {
+    if (!merged.empty()) {
+      Axis& outer = merged.back();
+      if (outer.source_stride == axis.source_stride * axis.extent &&
+          outer.destination_stride == axis.destination_stride * axis.extent) {
+        outer = {outer.extent * axis.extent, axis.source_stride, axis.destination_stride};
+        continue;
+      }
+    }
+    merged.push_back(axis);
+  }
+  axes = std::move(merged);
+
+  copy.tiled = false;
+  if (axes.size() < 2) return;
+  const int64_t inner_stride = std::llabs(axes.back().source_stride);
+  if (inner_stride == copy.source_itemsize) return;
+  // The axis along which the source is most contiguous becomes the other tile axis.
+  auto most_contiguous = std::min_element(axes.begin(), axes.end() - 1, [](const Axis& a, const Axis& b) {
+    return std::llabs(a.source_stride) < std::llabs(b.source_stride);
+  });
+  if (std::llabs(most_contiguous->source_stride) >= inner_stride) return;
+  std::rotate(most_contiguous, most_contiguous + 1, axes.end() - 1);
+  copy.tiled = true;
+}
+
+class TableReader {
+ public:
+  TableReader(const int64_t* table, int64_t length) : table_(table), length_(length) {}
+  bool done() const { return position_ == length_; }
+  // The next `count` fields of `copy`'s record.
+  const int64_t* take(size_t copy, int64_t count) {
+    if (count < 0 || count > length_ - position_)
+      refuse(copy, "the table ends inside this copy's record");
+    const int64_t* fields = table_ + position_;
+    position_ += count;
+    return fields;
+  }
+
+ private:
+  const int64_t* table_;
+  int64_t length_;
+  int64_t position_ = 0;
+};
+
+Dtype dtype_from_code(size_t copy, int64_t code) {
+  if (code < 0 || code >= kDtypeCount) refuse(copy, "unknown dtype code " + std::to_string(code));
+  return static_cast<Dtype>(code);
+}
+
+// Reads and checks one record; an empty region gives a copy with no bytes.
+PlannedCopy read_copy(size_t index, TableReader& reader, const std::vector<SourceBuffer>& sources,
+                      const std::vector<DestinationBuffer>& destinations) {
+  const int64_t* head = reader.take(index, 7);
+  const int64_t source = head[0], source_offset = head[1];
+  const int64_t destination = head[2], destination_offset = head[3];
+  if (source < 0 || source >= static_cast<int64_t>(sources.size()))
+    refuse(index, "source " + std::to_string(source) + " does not exist (" +
+                      std::to_string(sources.size()) + " sources)");
+  if (destination < 0 || destination >= static_cast<int64_t>(destinations.size()))
+    refuse(index, "destination " + std::to_string(destination) + " does not exist (" +
+                      std::to_string(destinations.size()) + " destinations)");
+  std::vector<Dtype> chain{dtype_from_code(index, head[4])};
+  const Dtype destination_dtype = dtype_from_code(index, head[5]);
+  const int64_t* via = reader.take(index, head[6]);
+  for (int64_t k = 0; k < head[6]; ++k) chain.push_back(dtype_from_code(index, via[k]));
+  chain.push_back(destination_dtype);
+
+  const int64_t ndim = *reader.take(index, 1);
+  if (ndim < 0) refuse(index, "negative number of axes " + std::to_string(ndim));
+  const int64_t* shape = reader.take(index, ndim);
+  const int64_t* source_strides = reader.take(index, ndim);
+  const int64_t* destination_strides = reader.take(index, ndim);
+
+  PlannedCopy copy{};
+  copy.steps = cast_steps(index, chain);
+  copy.source_itemsize = itemsize(chain.front());
+  copy.destination_itemsize = itemsize(chain.back());
+  for (int64_t k = 0; k < ndim; ++k)
+    if (shape[k] < 0) refuse(index, "negative extent in shape " + tuple_text(shape, ndim));
+  if (std::find(shape, shape + ndim, 0) != shape + ndim) return copy;  // copies nothing
+  // Bytes read plus written must count in int64.
+  int64_t bytes = copy.source_itemsize + copy.destination_itemsize;
+  for (int64_t k = 0; k < ndim; ++k)
+    if (__builtin_mul_overflow(bytes, shape[k], &bytes))
+      refuse(index, "shape " + tuple_text(shape, ndim) + " has too many elements");
+
+  const SourceBuffer& from = sources[static_cast<size_t>(source)];
+  const DestinationBuffer& to = destinations[static_cast<size_t>(destination)];
+  if (!region_fits(source_offset, shape, source_strides, ndim, copy.source_itemsize, from.size))
+    refuse(index, "source region (offset " + std::to_string(source_offset) + ", shape " +
+                      tuple_text(shape, ndim) + ", strides " + tuple_text(source_strides, ndim) +
+                      ") does not fit in source " + std::to_string(source) + " of " +
+                      std::to_string(from.size) + " bytes");
+  if (!region_fits(destination_offset, shape, destination_strides, ndim,
+                   copy.destination_itemsize, to.size))
+    refuse(index, "destination region (offset " + std::to_string(destination_offset) +
+                      ", shape " + tuple_text(shape, ndim) + ", strides " +
+                      tuple_text(destination_strides, ndim) + ") does not fit in destination " +
+                      std::to_string(destination) + " of " + std::to_string(to.size) + " bytes");
+
+  copy.source = from.data + source_offset;
+  copy.destination = to.data + destination_offset;
+  for (int64_t k = 0; k < ndim; ++k)
+    copy.axes.push_back({shape[k], source_strides[k], destination_strides[k]});
+  copy.bytes = bytes;
+  simplify(copy);
+  return copy;
+}
+
+// ---------------------------------------------------------------------------------------
+// Walking a copy.
+
+void run_row(const PlannedCopy& copy, const uint8_t* source, int64_t source_stride,
+             uint8_t* destination, int64_t destination_stride, int64_t count) {
+  if (copy.steps.size() == 1) {
+    copy.steps[0].row(source, source_stride, destination, destination_stride, count);
+    return;
+  }
+  alignas(8) uint8_t scratch[2][kChainBlock * 8];
+  for (int64_t start = 0; start < count; start += kChainBlock) {
+    const int64_t block = std::min(kChainBlock, count - start);
+    const uint8_t* in = source + start * source_stride;
+    int64_t in_stride = source_stride;
+    for (size_t k = 0; k < copy.steps.size(); ++k) {
+      const bool last = k + 1 == copy.steps.size();
+      uint8_t* out = last ? destination + start * destination_stride : scratch[k % 2];
+      const int64_t out_stride = last ? destination_stride : copy.steps[k].output_itemsize;
+      copy.steps[k].row(in, in_stride, out, out_stride, block);
+      in = out;
+      in_stride = out_stride;
+    }
+  }
+}
+
+// The last two axes in kTile x kTile tiles, rows of the second-to-last in [begin, end):
+// each tile reads the source lines it touches while they are still in cache.
+void run_tiles(const PlannedCopy& copy, const uint8_t* source, uint8_t* destination,
+               int64_t begin, int64_t end) {
+  const Axis& rows = copy.axes[copy.axes.size() - 2];
+  const Axis& columns = copy.axes.back();
+  for (int64_t row0 = begin; row0 < end; row0 += kTile) {
+    const int64_t row_end = std::min(row0 + kTile, end);
+    for (int64_t column0 = 0; column0 < columns.extent; column0 += kTile) {
+      const int64_t width = std::min(kTile, columns.extent - column0);
+      for (int64_t row = row0; row < row_end; ++row)
+        run_row(copy, source + row * rows.source_stride + column0 * columns.source_stride,
+                columns.source_stride,
+                destination + row * rows.destination_stride + column0 * columns.destination_stride,
+                columns.destination_stride, width);
+    }
+  }
+}
+
+// Axis `axis` of the copy, indices [begin, end) along it, everything inside it in full.
+void walk(const PlannedCopy& copy, size_t axis, const uint8_t* source, uint8_t* destination,
+          int64_t begin, int64_t end) {
+  const size_t loop_axes = copy.axes.size() - (copy.tiled ? 2 : 1);
+  const Axis& a = copy.axes[axis];
+  if (axis == loop_axes) {
+    if (copy.tiled) {
+      run_tiles(copy, source, destination, begin, end);
+    } else {
+      run_row(copy, source + begin * a.source_stride, a.source_stride,
+              destination + begin * a.destination_stride, a.destination_stride, end - begin);
+    }
+    return;
+  }
+  for (int64_t i = begin; i < end; ++i)
+    walk(copy, axis + 1, source + i * a.source_stride, destination + i * a.destination_stride, 0,
+         copy.axes[axis + 1].extent);
+}
+
+// ---------------------------------------------------------------------------------------
+// Splitting work over threads.
+
+// A copy, or the slice [begin, end) of its outermost axis.
+struct Piece {
+  const PlannedCopy* copy;
+  int64_t begin;
+  int64_t end;
+};
+
+void run_piece(const Piece& piece) {
+  const PlannedCopy& copy = *piece.copy;
+  if (copy.axes.empty()) {
+    run_row(copy, copy.source, copy.source_itemsize, copy.destination, copy.destination_itemsize, 1);
+  } else {
+    walk(copy, 0, copy.source, copy.destination, piece.begin, piece.end);
+  }
+}
+
+// Work items of about `target` bytes each: a huge copy is cut along its outermost axis,
+// small consecutive copies are batched. Item k is pieces[starts[k], starts[k + 1]).
+struct WorkItems {
+  std::vector<Piece> pieces;
+  std::vector<size_t> starts;
+};
+
+WorkItems split_work(const std::vector<PlannedCopy>& copies, int64_t target) {
+  WorkItems work;
+  int64_t batch_bytes = 0;
+  auto close_batch = [&] {
+    if (batch_bytes > 0) work.starts.push_back(work.pieces.size());
+    batch_bytes = 0;
+  };
+  work.starts.push_back(0);
+  for (const PlannedCopy& copy : copies) {
+    if (copy.bytes == 0) continue;
+    const int64_t extent = copy.axes.empty() ? 1 : copy.axes[0].extent;
+    if (copy.bytes <= target || extent == 1) {
+      work.pieces.push_back({&copy, 0, extent});
+      batch_bytes += copy.bytes;
+      if (batch_bytes >= target) close_batch();
+      continue;
+    }
+    close_batch();
+    const int64_t chunks = std::min(extent, (copy.bytes + target - 1) / target);
+    int64_t step = (extent + chunks - 1) / chunks;
+    if (copy.tiled && copy.axes.size() == 2) step = (step + kTile - 1) / kTile * kTile;
+    for (int64_t begin = 0; begin < extent; begin += step) {
+      work.pieces.push_back({&copy, begin, std::min(begin + step, extent)});
+      work.starts.push_back(work.pieces.size());
+    }
+  }
+  close_batch();
+  return work;
+}
+
+// Below this many bytes a call runs on the calling thread alone.
+constexpr int64_t kMinBytesPerThread = int64_t{1} << 18;
+
+void run_all(const std::vector<PlannedCopy>& copies, int64_t threads) {
+  int64_t total = 0;
+  for (const PlannedCopy& copy : copies)
+    if (__builtin_add_overflow(total, copy.bytes, &total)) total = INT64_MAX;
+  threads = std::max<int64_t>(1, std::min(threads, total / kMinBytesPerThread));
+  // Several items per thread, so that uneven items still balance.
+  const WorkItems work = split_work(copies, std::max(kMinBytesPerThread, total / (threads * 8)));
+  const size_t items = work.starts.size() - 1;
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t item = next++; item < items; item = next++)
+      for (size_t p = work.starts[item]; p < work.starts[item + 1]; ++p) run_piece(work.pieces[p]);
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t t = 1; t < std::min<int64_t>(threads, static_cast<int64_t>(items)); ++t)
+    helpers.emplace_back(worker);
+  worker();
+  for (std::thread& helper : helpers) helper.join();
+}
+
+}  // namespace
+
+void execute_copies(const int64_t* table, int64_t table_length,
+                    const std::vector<SourceBuffer>& sources,
+                    const std::vector<DestinationBuffer>& destinations, int64_t threads) {
+  if (threads < 1) throw CopyError("threads must be at least 1, not " + std::to_string(threads));
+  std::vector<PlannedCopy> copies;
+  TableReader reader(table, table_length);
+  while (!reader.done()) copies.push_back(read_copy(copies.size(), reader, sources, destinations));
+  run_all(copies, threads);
+}
+
+}  // namespace aoa

@@ -1,0 +1,40 @@
+// The kernel: many N-d strided byte-region copies, each with an optional fused cast,
+// spread over threads. Plain C++; the Python binding is cpp/bindings.cpp.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "casts.hpp"
+
+namespace aoa {
+
+struct SourceBuffer {
+  const uint8_t* data;
+  int64_t size;
+};
+
+struct DestinationBuffer {
+  uint8_t* data;
+  int64_t size;
+};
+
+// A table the kernel refuses; the message names the copy. Nothing has been written.
+class CopyError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// Int64 fields of one copy in the table, in this order, records back to back:
+//   source, source_offset, destination, destination_offset,
+//   source_dtype, destination_dtype, via_count, via[via_count],
+//   ndim, shape[ndim], source_strides[ndim], destination_strides[ndim]
+// Strides are in bytes, one per destination axis. Every record is checked (buffer indices,
+// dtype codes, casts, both regions within their buffers) before any byte moves.
+// Sources must not overlap destinations, nor destinations each other.
+void execute_copies(const int64_t* table, int64_t table_length,
+                    const std::vector<SourceBuffer>& sources,
+                    const std::vector<DestinationBuffer>& destinations, int64_t threads);
+
+}  // namespace aoa
