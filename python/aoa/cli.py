@@ -99,13 +99,13 @@ def cmd_explain(args) -> int:
             print(f"{key}: declared empty (`_ -> {key}`), left as it is")
             continue
         print(f"{key}: shape {list(tensor.shape)}, source dtype {tensor.dtype}")
-        for piece in tensor.pieces:
+        for key_of_piece, piece in tensor.pieces():
             target = ", ".join(f"{a}:{b}" for a, b in zip(piece.target_lo, piece.target_hi))
             source = ", ".join(f"{a}:{b}" for a, b in zip(piece.source_lo, piece.source_hi))
             ops = [op.text if hasattr(op, "text") else f"cast {op}" for op in piece.ops]
-            deleted = "  (deleted by `-> _`)" if piece.key in state.removed else ""
+            deleted = "  (deleted by `-> _`)" if key_of_piece in state.removed else ""
             suffix = f"  ({'; '.join(ops)})" if ops else ""
-            print(f"    [{target}] <- {piece.key}[{source}]{suffix}{deleted}")
+            print(f"    [{target}] <- {key_of_piece}[{source}]{suffix}{deleted}")
     if args.plan:
         print()
         print(compilation.plan().describe())

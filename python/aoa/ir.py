@@ -78,8 +78,10 @@ class Statement:
 
     def derive(self, macro: str, left, right, attributes=()) -> Statement:
         """A statement made by ``macro`` from this one (it inherits the span)."""
-        return Statement(tuple(left), tuple(right), tuple(attributes), self.span,
-                         Origin(macro, self))
+        return Statement(left if type(left) is tuple else tuple(left),
+                         right if type(right) is tuple else tuple(right),
+                         attributes if type(attributes) is tuple else tuple(attributes),
+                         self.span, Origin(macro, self))
 
     def origins(self) -> list[tuple[str, Statement]]:
         """(macro, parent) pairs from this statement back to the one the user wrote."""

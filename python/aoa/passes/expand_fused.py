@@ -7,6 +7,7 @@ chains answer (resolve_chains.py); the shard count of `X^T` is the count of `X` 
 
 from __future__ import annotations
 
+import functools
 from math import lcm
 
 from aoa.errors import MacroError
@@ -25,10 +26,19 @@ _ALLOWED = {
 }
 
 
+@functools.cache
+def _ffn_layout(shards: int, pieces: int) -> tuple[str, ...]:
+    """Per shard r: its gate pieces, then its up pieces (spec 5.9's F(t, S))."""
+    per = pieces // shards
+    return tuple(f"{FFN_PREFIX}{half}_{r * per + j}" for r in range(shards)
+                 for half in ("GATE", "UP") for j in range(per))
+
+
 class _Fuser:
     def __init__(self, ctx: CompileContext) -> None:
         self.ctx = ctx
         self.chains: Chains = ctx.facts["chains"]
+        self._name_cache: dict = {}
 
     def expand(self, statement: Statement) -> list[Statement]:
         for name in statement.right:
@@ -58,21 +68,23 @@ class _Fuser:
 
     def _transposes(self, statement: Statement) -> tuple[list[Statement], Statement]:
         """`X^T` on the left: a helper `X -> X_transpose_tmp, permute="[]"` per name."""
-        transposed = list(dict.fromkeys(n.base for n in statement.left if n.transposed))
-        if not transposed:
+        if not any(n.text.endswith("^T") for n in statement.left):
             return [], statement
-        helpers = [statement.derive("transpose", [Name(base, self._span_of(statement, base))],
-                                    [Name(base + TRANSPOSE_SUFFIX, statement.span)],
-                                    [Attribute("permute", "[]", statement.span)])
-                   for base in transposed]
-        left = [Name(n.base + TRANSPOSE_SUFFIX, n.span) if n.transposed else n
-                for n in statement.left]
+        helpers, left, seen = [], [], {}
+        permute = Attribute("permute", "[]", statement.span)
+        for name in statement.left:
+            if not name.text.endswith("^T"):
+                left.append(name)
+                continue
+            base = name.text[:-2]
+            view = seen.get(base)
+            if view is None:
+                view = seen[base] = Name(base + TRANSPOSE_SUFFIX, name.span)
+                helpers.append(statement.derive("transpose", (Name(base, name.span),), (view,),
+                                                (permute,)))
+            left.append(view)
         return helpers, statement.derive("transpose", left, statement.right,
                                          statement.attributes)
-
-    @staticmethod
-    def _span_of(statement: Statement, base: str):
-        return next(n.span for n in statement.left if n.base == base)
 
     @staticmethod
     def _int(statement: Statement, flag: Attribute, key: str, default: int | None) -> int:
@@ -89,11 +101,29 @@ class _Fuser:
         left = any(n is name for n in written.left)
         return self.chains.shard_count(written, name.base, left=left)
 
-    @staticmethod
-    def _make(parent: Statement, macro: str, left, right, axis: int, span) -> Statement:
-        return parent.derive(macro, [Name(n, span) if isinstance(n, str) else n for n in left],
-                             [Name(n, span) if isinstance(n, str) else n for n in right],
-                             [Attribute("axis", axis, span)])
+    def _make(self, parent: Statement, macro: str, left, right, axis: int, span) -> Statement:
+        return parent.derive(macro, self._names(left, span), self._names(right, span),
+                             (self._axis(axis, span),))
+
+    def _names(self, names, span) -> tuple[Name, ...]:
+        """Names for generated pieces, shared across statements (they repeat per layer)."""
+        result = []
+        cache = self._name_cache
+        for name in names:
+            if isinstance(name, Name):
+                result.append(name)
+                continue
+            made = cache.get((name, span))
+            if made is None:
+                made = cache[(name, span)] = Name(name, span)
+            result.append(made)
+        return tuple(result)
+
+    def _axis(self, axis: int, span) -> Attribute:
+        made = self._name_cache.get((axis, span))
+        if made is None:
+            made = self._name_cache[(axis, span)] = Attribute("axis", axis, span)
+        return made
 
     def _heads(self, statement: Statement, flag: Attribute) -> tuple[int, int]:
         heads = self._int(statement, flag, "num_heads", None)
@@ -111,9 +141,7 @@ class _Fuser:
     # fused_ffn ---------------------------------------------------------------------------
     def fused_ffn(self, written: Statement, s: Statement, flag: Attribute, axis: int):
         def layout(shards: int, pieces: int) -> list[str]:
-            per = pieces // shards
-            return [f"{FFN_PREFIX}{half}_{r * per + j}" for r in range(shards)
-                    for half in ("GATE", "UP") for j in range(per)]
+            return _ffn_layout(shards, pieces)
 
         span = flag.span
         if len(s.left) == 1 and len(s.right) in (1, 2):

@@ -39,7 +39,8 @@ def _grammar_text() -> str:
 
 @functools.cache
 def _parser() -> Lark:
-    return Lark(_grammar_text(), parser="lalr", start="program", maybe_placeholders=False)
+    return Lark(_grammar_text(), parser="lalr", start="program", maybe_placeholders=False,
+                cache=True)
 
 
 def _span(source: SourceText, first: Token, last: Token | None = None) -> Span:

@@ -16,7 +16,9 @@ from aoa.dtypes import CAST_TARGETS, is_exact_widening
 from aoa.errors import PlanError, ValidationError
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
 from aoa.passes.context import CompileContext
-from aoa.passes.propagate_shapes import Op, Permute, SymbolicState, Tensor
+from aoa import slices
+from aoa.passes.propagate_shapes import SymbolicState, Tensor
+from aoa.slices import Op, Permute
 from aoa.plan import Plan, PlannedCopy
 
 Box = tuple[int, ...]
@@ -40,6 +42,15 @@ class Entry(NamedTuple):
         return [op.text if isinstance(op, Permute) else op for op in self.ops]
 
 
+class _Physical(NamedTuple):
+    """One read of an entry from one source shard, relative to the entry's boxes."""
+
+    shard: int  # position among the key's distinct shards
+    target_delta: Box
+    shape: Box
+    source_start: Box  # local to the shard
+
+
 def _describe(shard: ShardDesc) -> str:
     region = ", ".join(f"{o}:{o + n}" for o, n in zip(shard.global_offset, shard.local_shape))
     return f"'{shard.key}' [{region}]"
@@ -58,6 +69,9 @@ class Planner:
         self.ctx = ctx
         self.state: SymbolicState = ctx.facts["symbolic"]
         self._source_shards: dict[str, list[ShardDesc]] = {}
+        self._signatures: dict[str, tuple] = {}
+        self._physical_memo: dict[tuple, list[_Physical]] = {}
+        self._cast_memo: dict[tuple, tuple[str, ...]] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -69,108 +83,102 @@ class Planner:
                      "one, only tensors that no statement consumes are.")
         return self.state.outputs[model_key]
 
+    def _raw_entries(self, target: ShardDesc, tensor: Tensor, suffix: str | None
+                     ) -> list[slices.Entry]:
+        lo = target.global_offset
+        hi = tuple(o + n for o, n in zip(lo, target.local_shape))
+        if suffix not in BETA_POW_SUFFIXES and len(lo) != len(tensor.shape):
+            raise ValidationError(
+                f"destination {_describe(target)} has {len(lo)} dimensions, but the program "
+                f"makes it with {len(tensor.shape)} (shape {list(tensor.shape)})")
+        if suffix in BETA_POW_SUFFIXES:
+            keys = [k for k in dict.fromkeys(tensor.keys[p.slot] for p in tensor.layout.pieces)
+                    if k not in self.state.removed]
+            if not keys:
+                return []
+            if len(keys) > 1:
+                self.ctx.note(f"'{target.key}' comes from several parameters "
+                              f"({', '.join(keys)}); its accumulator is copied from "
+                              f"'{keys[0]}'")
+            slot = tensor.keys.index(keys[0])
+            return [slices.Entry(slot, lo, hi, lo, hi, (), None)]
+        entries = slices.intersect(tensor.layout, lo, hi)
+        removed = self.state.removed
+        if removed:
+            keys = tensor.keys
+            entries = [e for e in entries if keys[e.slot] not in removed]
+        return entries
+
     def answer(self, target: ShardDesc) -> list[Entry] | None:
         """The pieces that fill ``target``; None for a destination declared with `_ -> X`."""
         tensor = self.tensor_for(target.key)
         if tensor is None:
             return None
-        _, suffix = split_optimizer_suffix(target.key)
-        if suffix in BETA_POW_SUFFIXES:
-            return self._beta_pow(target, tensor, suffix)
-        lo = target.global_offset
-        hi = tuple(o + n for o, n in zip(lo, target.local_shape))
-        if len(lo) != len(tensor.shape):
-            raise ValidationError(
-                f"destination {_describe(target)} has {len(lo)} dimensions, but the program "
-                f"makes it with {len(tensor.shape)} (shape {list(tensor.shape)})")
-        removed = self.state.removed
-        entries = []
-        for piece in tensor.pieces:
-            if piece.key in removed:
-                continue
-            i_lo = tuple(map(max, lo, piece.target_lo))
-            i_hi = tuple(map(min, hi, piece.target_hi))
-            if any(a >= b for a, b in zip(i_lo, i_hi)):
-                continue
-            order = piece.order
-            if order is None:
-                s_lo = tuple(s + a - t for s, a, t in zip(piece.source_lo, i_lo, piece.target_lo))
-                s_hi = tuple(s + b - a for s, a, b in zip(s_lo, i_lo, i_hi))
-            else:
-                s_lo_list, s_hi_list = list(piece.source_lo), list(piece.source_hi)
-                for i, axis in enumerate(order):
-                    s_lo_list[axis] = piece.source_lo[axis] + i_lo[i] - piece.target_lo[i]
-                    s_hi_list[axis] = s_lo_list[axis] + i_hi[i] - i_lo[i]
-                s_lo, s_hi = tuple(s_lo_list), tuple(s_hi_list)
-            entries.append(Entry(i_lo, i_hi, piece.key + (suffix or ""), s_lo, s_hi, piece.ops,
-                                 order))
-        return entries
-
-    def _beta_pow(self, target: ShardDesc, tensor: Tensor, suffix: str) -> list[Entry]:
-        keys = list(dict.fromkeys(p.key for p in tensor.pieces if p.key not in self.state.removed))
-        if not keys:
-            return []
-        if len(keys) > 1:
-            self.ctx.note(f"'{target.key}' comes from several parameters ({', '.join(keys)}); "
-                          f"its accumulator is copied from '{keys[0]}'")
-        lo = target.global_offset
-        hi = tuple(o + n for o, n in zip(lo, target.local_shape))
-        return [Entry(lo, hi, keys[0] + suffix, lo, hi, (), None)]
+        suffix = split_optimizer_suffix(target.key)[1] or ""
+        keys = tensor.keys
+        return [Entry(e.target_lo, e.target_hi, keys[e.slot] + suffix, e.source_lo,
+                      e.source_hi, e.ops, e.order)
+                for e in self._raw_entries(target, tensor, suffix or None)]
 
     # -- validation ----------------------------------------------------------------------
-    def check(self, target: ShardDesc, tensor: Tensor, entries: list[Entry]) -> None:
+    def check(self, target: ShardDesc, tensor: Tensor, entries: Sequence[Entry]) -> None:
         """Refuse what would leave wrong bytes in ``target`` (spec 0.3)."""
+        self._check(target, tensor, [(e.source_key, e.ops) for e in entries],
+                    [(e.target_lo, e.target_hi, e.source_key) for e in entries])
+
+    def _check(self, target: ShardDesc, tensor: Tensor, reads, boxes) -> None:
         _, suffix = split_optimizer_suffix(target.key)
-        writer = self.state.writers.get(split_optimizer_suffix(target.key)[0])
-        span = writer.span if writer is not None else None
-        if suffix not in BETA_POW_SUFFIXES and tuple(target.global_shape) != tensor.shape:
+        if suffix not in BETA_POW_SUFFIXES and target.global_shape != tensor.shape:
             raise ValidationError(
                 f"destination '{target.key}' is declared with global shape "
                 f"{list(target.global_shape)}, but the program produces {list(tensor.shape)}",
-                span, hint="Declare the destination with the shape the statements make, or "
-                           "change the statements (a missing ^T or permute?).")
-        for entry in entries:
-            shards = self.ctx.source.get(entry.source_key)
+                self._writer_span(target), hint="Declare the destination with the shape the "
+                "statements make, or change the statements (a missing ^T or permute?).")
+        for source_key, ops in reads:
+            shards = self.ctx.source.get(source_key)
             if not shards:
                 raise ValidationError(
-                    f"destination {_describe(target)} needs '{entry.source_key}', which the "
-                    "source does not have", span,
+                    f"destination {_describe(target)} needs '{source_key}', which the "
+                    "source does not have", self._writer_span(target),
                     hint="Optimizer states follow their parameter only where the source has "
                          "them; give the destination no such key, or add it to the source.")
-            produced = result_dtype(entry.ops, shards[0].dtype)
+            produced = result_dtype(ops, shards[0].dtype)
             if target.dtype is not None and produced is not None and produced != target.dtype:
-                how = ("is cast to" if any(isinstance(op, str) for op in entry.ops)
-                       else "is")
+                how = "is cast to" if any(isinstance(op, str) for op in ops) else "is"
                 raise ValidationError(
                     f"destination {_describe(target)} is {target.dtype}, but "
-                    f"'{entry.source_key}' {how} {produced}", span,
+                    f"'{source_key}' {how} {produced}", self._writer_span(target),
                     hint=f"Cast to the destination's dtype: `... -> {target.key}, "
                          f"dtype='{target.dtype}'` (or declare the destination {produced}).")
-        self._check_coverage(target, entries)
+        self._check_coverage(target, tensor, boxes)
 
-    def _check_coverage(self, target: ShardDesc, entries: list[Entry]) -> None:
+    def _writer_span(self, target: ShardDesc):
+        writer = self.state.writers.get(split_optimizer_suffix(target.key)[0])
+        return writer.span if writer is not None else None
+
+    def _check_coverage(self, target: ShardDesc, tensor: Tensor, boxes) -> None:
+        """Every element of ``target`` written exactly once; boxes are (lo, hi, source key)."""
         wanted = prod(target.local_shape)
-        covered = sum(prod(b - a for a, b in zip(e.target_lo, e.target_hi)) for e in entries)
-        boxes = sorted(entries, key=lambda e: e.target_lo)
-        for i, first in enumerate(boxes):
-            for second in boxes[i + 1:]:
-                if second.target_lo[0] >= first.target_hi[0]:
+        covered = sum(prod(b - a for a, b in zip(lo, hi)) for lo, hi, _ in boxes)
+        ordered = sorted(boxes)
+        for i, (lo, hi, key) in enumerate(ordered):
+            for lo2, hi2, key2 in ordered[i + 1:]:
+                if lo2[0] >= hi[0]:
                     break
-                if all(max(a, c) < min(b, d) for a, b, c, d in zip(
-                        first.target_lo, first.target_hi, second.target_lo, second.target_hi)):
+                if all(max(a, c) < min(b, d) for a, b, c, d in zip(lo, hi, lo2, hi2)):
                     raise ValidationError(
                         f"destination {_describe(target)} would be written twice: by "
-                        f"'{first.source_key}' and by '{second.source_key}'")
+                        f"'{key}' and by '{key2}'")
         if covered != wanted:
-            deleted = [(k, s) for k, s in self.state.removed.items()
-                       if any(p.key == k for p in self.state.outputs[
-                           split_optimizer_suffix(target.key)[0]].pieces)]
-            related = [(f"'{k}' is deleted here", s.span) for k, s in deleted]
+            sources = tensor.source_keys()
+            related = [(f"'{k}' is deleted here", s.span)
+                       for k, s in self.state.removed.items() if k in sources]
+            name = split_optimizer_suffix(target.key)[0]
             raise ValidationError(
                 f"{wanted - covered} of the {wanted} elements of destination "
                 f"{_describe(target)} are written by no statement", related=related,
                 hint=f"Map a source to them, or declare the destination empty with "
-                     f"`_ -> {split_optimizer_suffix(target.key)[0]}` to leave it as it is.")
+                     f"`_ -> {name}` to leave it as it is.")
 
     # -- physical sources ----------------------------------------------------------------
     def source_shards(self, key: str) -> list[ShardDesc]:
@@ -187,6 +195,8 @@ class Planner:
                             f"{list(shape)} exactly once",
                             hint="List every shard of the tensor once, with its global offset.")
         self._source_shards[key] = distinct
+        self._signatures[key] = (shape, tuple((s.global_offset, s.local_shape)
+                                              for s in distinct))
         return distinct
 
     def lower_casts(self, ops: Sequence[Op], source_dtype: str | None,
@@ -213,7 +223,7 @@ class Planner:
     def real_dtype(self, name: str, tensor: Tensor) -> str | None:
         """Without a destination, an output's dtype is the one its casts produce (spec 7.2)."""
         last = set()
-        for piece in tensor.pieces:
+        for piece in tensor.layout.pieces:
             casts = [op for op in piece.ops if isinstance(op, str) and op in CAST_TARGETS]
             if casts:
                 last.add(casts[-1])
@@ -231,40 +241,90 @@ class Planner:
         copies: list[PlannedCopy] = []
         untouched: list[int] = []
         for index, target in enumerate(destinations):
-            entries = self.answer(target)
-            if entries is None:
+            tensor = self.tensor_for(target.key)
+            if tensor is None:
                 untouched.append(index)
                 continue
-            self.check(target, self.tensor_for(target.key), entries)
-            for entry in entries:
-                for shard in self.source_shards(entry.source_key):
-                    lo = tuple(map(max, entry.source_lo, shard.global_offset))
-                    hi = tuple(min(a, o + n) for a, o, n in
-                               zip(entry.source_hi, shard.global_offset, shard.local_shape))
-                    if any(a >= b for a, b in zip(lo, hi)):
-                        continue
-                    where = (shard.key, shard.global_offset)
+            suffix = split_optimizer_suffix(target.key)[1]
+            entries = self._raw_entries(target, tensor, suffix)
+            keys = tensor.keys
+            reads = [(keys[e.slot] + suffix if suffix else keys[e.slot], e) for e in entries]
+            self._check_fast(target, tensor, entries, reads)
+            offset = target.global_offset
+            for source_key, e in reads:
+                shards = self.source_shards(source_key)
+                casts = self._casts(e.ops, shards[0].dtype, target.dtype)
+                for physical in self._physical(e, source_key, shards):
+                    shard = shards[physical.shard]
+                    where = (source_key, shard.global_offset)
                     s = source_index.get(where)
                     if s is None:
                         s = source_index[where] = len(sources)
                         sources.append(shard)
-                    order = entry.order
-                    delta = [a - b for a, b in zip(lo, entry.source_lo)]
-                    size = [b - a for a, b in zip(lo, hi)]
-                    if order is not None:
-                        delta = [delta[a] for a in order]
-                        size = [size[a] for a in order]
                     copies.append(PlannedCopy(
-                        index,
-                        tuple(t + d - o for t, d, o in
-                              zip(entry.target_lo, delta, target.global_offset)),
-                        tuple(size), s,
-                        tuple(a - o for a, o in zip(lo, shard.global_offset)),
-                        order, self.lower_casts(entry.ops, shard.dtype, target.dtype)))
+                        index, tuple(t + d - o for t, d, o in
+                                     zip(e.target_lo, physical.target_delta, offset)),
+                        physical.shape, s, physical.source_start, e.order, casts))
         if targets is None:
             self._note_unused_sources({shard.key for shard in sources})
         notes = [note.render() for note in self.ctx.notes]
         return Plan(sources, destinations, copies, notes, untouched)
+
+    def _check_fast(self, target, tensor, entries, reads) -> None:
+        """`_check`, with the geometry remembered per layout and box (it repeats)."""
+        key = ("checked", target.global_offset, target.local_shape, target.global_shape,
+               target.dtype, len(entries))
+        memo = tensor.layout.memo
+        dtypes = tuple(self._source_dtype(k) for k, _ in reads)
+        if memo.get(key) == dtypes and not self.state.removed:
+            for source_key, _ in reads:
+                if source_key not in self.ctx.source:
+                    break
+            else:
+                return
+        self._check(target, tensor, [(k, e.ops) for k, e in reads],
+                    [(e.target_lo, e.target_hi, k) for k, e in reads])
+        memo[key] = dtypes
+
+    def _source_dtype(self, key: str) -> str | None:
+        shards = self.ctx.source.get(key)
+        return shards[0].dtype if shards else None
+
+    def _casts(self, ops, source_dtype, destination_dtype) -> tuple[str, ...]:
+        if not ops:
+            return ()
+        key = (ops, source_dtype, destination_dtype)
+        casts = self._cast_memo.get(key)
+        if casts is None:
+            casts = self._cast_memo[key] = self.lower_casts(ops, source_dtype,
+                                                            destination_dtype)
+        return casts
+
+    def _physical(self, entry: slices.Entry, key: str, shards: list[ShardDesc]
+                  ) -> list[_Physical]:
+        """The reads of ``entry`` from the shards of its source key (remembered per layout
+        of the source key, since models repeat them)."""
+        signature = self._signatures[key]
+        memo_key = (entry.source_lo, entry.source_hi, entry.order, signature)
+        result = self._physical_memo.get(memo_key)
+        if result is not None:
+            return result
+        result = []
+        for position, shard in enumerate(shards):
+            lo = tuple(map(max, entry.source_lo, shard.global_offset))
+            hi = tuple(min(a, o + n) for a, o, n in
+                       zip(entry.source_hi, shard.global_offset, shard.local_shape))
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            delta = [a - b for a, b in zip(lo, entry.source_lo)]
+            size = [b - a for a, b in zip(lo, hi)]
+            if entry.order is not None:
+                delta = [delta[a] for a in entry.order]
+                size = [size[a] for a in entry.order]
+            result.append(_Physical(position, tuple(delta), tuple(size),
+                                    tuple(a - o for a, o in zip(lo, shard.global_offset))))
+        self._physical_memo[memo_key] = result
+        return result
 
     def _note_unused_sources(self, used: set[str]) -> None:
         unused = sorted(set(self.ctx.source) - used)

@@ -11,48 +11,36 @@ from __future__ import annotations
 import ast
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
+from aoa import slices
 from aoa.dtypes import CAST_TARGETS
 from aoa.errors import ShapeError, ValidationError
 from aoa.ir import NOTHING, Attribute, Name, Program, Statement
 from aoa.layout import BETA_POW_SUFFIXES, split_optimizer_suffix
 from aoa.passes.context import CompileContext
+from aoa.slices import Permute
 
-Box = tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Permute:
-    """A permutation step: result axis i = input axis ``axes[i]``; ``text`` as Paddle lists it."""
-
-    axes: tuple[int, ...]
-    text: str
-
-
-Op = Permute | str  # a str is a cast to that dtype
-
-
-class Piece(NamedTuple):
-    """``tensor[target box] = ops(source[key][source box])``; ``order`` is the composition
-    of the permutations: target axis i = source axis order[i] (None: identity)."""
-
-    key: str
-    source_lo: Box
-    source_hi: Box
-    target_lo: Box
-    target_hi: Box
-    ops: tuple[Op, ...]
-    order: tuple[int, ...] | None
 
 
 @dataclass(slots=True)
 class Tensor:
-    shape: tuple[int, ...]
+    """A symbolic tensor: a shared layout plus the source keys its slots stand for."""
+
+    layout: slices.Layout
+    keys: tuple[str, ...]
     dtype: str | None  # the source dtype, as Paddle records it (casts do not change it)
-    pieces: list[Piece]
     uses: int = 0
     name: str = ""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.shape
+
+    def pieces(self) -> list[tuple[str, slices.Piece]]:
+        return [(self.keys[p.slot], p) for p in self.layout.pieces]
+
+    def source_keys(self) -> set[str]:
+        return {self.keys[p.slot] for p in self.layout.pieces}
 
 
 @dataclass
@@ -76,85 +64,35 @@ def _error(cls, message: str, span, statement: Statement | None, hint: str | Non
                expanded_from=statement.expansion() if statement is not None else ())
 
 
-def _permute_box(lo: Box, hi: Box, order: Sequence[int]) -> tuple[Box, Box]:
-    return tuple(lo[a] for a in order), tuple(hi[a] for a in order)
-
-
-def _unpermute_box(lo: Box, hi: Box, order: Sequence[int]) -> tuple[Box, Box]:
-    new_lo, new_hi = [0] * len(order), [0] * len(order)
-    for i, a in enumerate(order):
-        new_lo[a], new_hi[a] = lo[i], hi[i]
-    return tuple(new_lo), tuple(new_hi)
-
-
 def split(tensor: Tensor, axis: int, parts: int) -> list[Tensor]:
-    size = tensor.shape[axis] // parts
-    shape = tensor.shape[:axis] + (size,) + tensor.shape[axis + 1:]
-    result = []
-    for j in range(parts):
-        start, stop = j * size, (j + 1) * size
-        pieces = []
-        for piece in tensor.pieces:
-            t_lo, t_hi = piece.target_lo[axis], piece.target_hi[axis]
-            lo, hi = max(t_lo, start), min(t_hi, stop)
-            if lo >= hi:
-                continue
-            order = piece.order
-            s_lo, s_hi = ((piece.source_lo, piece.source_hi) if order is None else
-                          _permute_box(piece.source_lo, piece.source_hi, order))
-            a_lo = s_lo[axis] + lo - t_lo
-            s_lo = s_lo[:axis] + (a_lo,) + s_lo[axis + 1:]
-            s_hi = s_hi[:axis] + (a_lo + hi - lo,) + s_hi[axis + 1:]
-            if order is not None:
-                s_lo, s_hi = _unpermute_box(s_lo, s_hi, order)
-            pieces.append(Piece(
-                piece.key, s_lo, s_hi,
-                piece.target_lo[:axis] + (lo - start,) + piece.target_lo[axis + 1:],
-                piece.target_hi[:axis] + (hi - start,) + piece.target_hi[axis + 1:],
-                piece.ops, order))
-        result.append(Tensor(shape, tensor.dtype, pieces))
     tensor.uses += parts
-    return result
+    return [Tensor(layout, tensor.keys, tensor.dtype)
+            for layout in slices.split(tensor.layout, axis, parts)]
 
 
 def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
-    pieces: list[Piece] = []
-    offset = 0
+    offsets, keys = [], ()
     for tensor in tensors:
-        for piece in tensor.pieces:
-            pieces.append(piece._replace(
-                target_lo=piece.target_lo[:axis] + (piece.target_lo[axis] + offset,)
-                + piece.target_lo[axis + 1:],
-                target_hi=piece.target_hi[:axis] + (piece.target_hi[axis] + offset,)
-                + piece.target_hi[axis + 1:]))
-        offset += tensor.shape[axis]
+        offsets.append(len(keys))
+        keys += tensor.keys
         tensor.uses += 1
-    first = tensors[0].shape
-    return Tensor(first[:axis] + (offset,) + first[axis + 1:], tensors[0].dtype, pieces)
+    return Tensor(slices.concat([t.layout for t in tensors], offsets, axis), keys,
+                  tensors[0].dtype)
 
 
 def transpose(tensor: Tensor, permute: Permute) -> Tensor:
-    axes = permute.axes
-    pieces = []
-    for piece in tensor.pieces:
-        order = tuple(axes) if piece.order is None else tuple(piece.order[a] for a in axes)
-        pieces.append(Piece(piece.key, piece.source_lo, piece.source_hi,
-                            tuple(piece.target_lo[a] for a in axes),
-                            tuple(piece.target_hi[a] for a in axes),
-                            (*piece.ops, permute), order))
     tensor.uses += 1
-    return Tensor(tuple(tensor.shape[a] for a in axes), tensor.dtype, pieces)
+    return Tensor(slices.transpose(tensor.layout, permute), tensor.keys, tensor.dtype)
 
 
 def cast(tensor: Tensor, dtype: str) -> Tensor:
     tensor.uses += 1
-    return Tensor(tensor.shape, tensor.dtype,
-                  [piece._replace(ops=(*piece.ops, dtype)) for piece in tensor.pieces])
+    return Tensor(slices.cast(tensor.layout, dtype), tensor.keys, tensor.dtype)
 
 
 def identity(tensor: Tensor) -> Tensor:
     tensor.uses += 1
-    return Tensor(tensor.shape, tensor.dtype, tensor.pieces)
+    return Tensor(tensor.layout, tensor.keys, tensor.dtype)
 
 
 def input_tensors(ctx: CompileContext) -> dict[str, Tensor]:
@@ -169,9 +107,7 @@ def input_tensors(ctx: CompileContext) -> dict[str, Tensor]:
             dtype = shards[0].dtype
         if model_key in inputs or suffix in BETA_POW_SUFFIXES:
             continue
-        zeros = (0,) * len(shape)
-        inputs[model_key] = Tensor(shape, dtype, [Piece(model_key, zeros, shape, zeros, shape,
-                                                        (), None)], name=model_key)
+        inputs[model_key] = Tensor(slices.whole(shape), (model_key,), dtype, name=model_key)
     return inputs
 
 
@@ -375,13 +311,13 @@ def select_outputs(state: SymbolicState, ctx: CompileContext) -> None:
         state.outputs = selected
         return
     # No destination: every tensor nobody consumed is an output, inputs first.
-    selected = {name: Tensor(t.shape, t.dtype, t.pieces, name=name)
+    selected = {name: Tensor(t.layout, t.keys, t.dtype, name=name)
                 for name, t in state.inputs.items() if t.uses == 0 and name not in state.removed}
     taken = {id(state.inputs[name]) for name in selected}
     for name, tensor in state.bound.items():
         if tensor.uses == 0 and name not in selected and id(tensor) not in taken:
             taken.add(id(tensor))
-            selected[name] = Tensor(tensor.shape, tensor.dtype, tensor.pieces, name=name)
+            selected[name] = Tensor(tensor.layout, tensor.keys, tensor.dtype, name=name)
     state.outputs = selected
 
 

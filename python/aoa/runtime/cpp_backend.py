@@ -1,0 +1,77 @@
+"""The C++ backend: every copy packed into one int64 table, run by one kernel call.
+
+The kernel (cpp/copy_kernel.cpp) checks the whole table before any byte moves and runs
+with the GIL released, on ``threads`` threads; this module only packs and chooses threads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from aoa import _core
+from aoa.errors import ExecutionError, UsageError
+from aoa.runtime.copies import Copy
+from aoa.runtime.numpy_backend import check_fields
+
+#: Paddle dtype name -> the kernel's code (enum aoa::Dtype in cpp/casts.hpp).
+DTYPE_CODES: dict[str, int] = {
+    "float64": 0, "float32": 1, "float16": 2, "bfloat16": 3,
+    "float8_e4m3fn": 4, "float8_e5m2": 5,
+    "int64": 6, "int32": 7, "int16": 8, "int8": 9,
+    "uint64": 10, "uint32": 11, "uint16": 12, "uint8": 13, "bool": 14,
+}
+
+
+def execute_copies(
+    copies: Sequence[Copy],
+    sources: Sequence[object],
+    destinations: Sequence[object],
+    threads: int | None = None,
+) -> None:
+    """Run ``copies`` from the ``sources`` buffers into the writable ``destinations``.
+
+    ``threads`` defaults to the CPUs this process may use; the kernel uses fewer when
+    there is too little work to share.
+    """
+    if threads is None:
+        threads = _usable_cpus()
+    if threads < 1:
+        raise UsageError(f"threads must be at least 1, not {threads}")
+    table = pack(copies)
+    try:
+        _core.execute_copies(table, list(sources), list(destinations), threads)
+    except ValueError as error:
+        raise ExecutionError(str(error)) from None
+
+
+def pack(copies: Sequence[Copy]) -> np.ndarray:
+    """The kernel's table: one record per copy, the layout of cpp/copy_kernel.hpp."""
+    fields: list[int] = []
+    for index, copy in enumerate(copies):
+        check_fields(index, copy)
+        fields += (
+            copy.source, copy.source_offset, copy.destination, copy.destination_offset,
+            DTYPE_CODES[copy.source_dtype], DTYPE_CODES[copy.destination_dtype],
+            len(copy.via), *(DTYPE_CODES[dtype] for dtype in copy.via),
+            len(copy.shape), *copy.shape, *copy.source_strides, *copy.destination_strides,
+        )
+    try:
+        return np.array(fields, dtype=np.int64)
+    except OverflowError:
+        index = next(i for i, copy in enumerate(copies) if not _fits_int64(copy))
+        raise ExecutionError(f"copy {index}: a number does not fit in 64 bits") from None
+
+
+def _fits_int64(copy: Copy) -> bool:
+    numbers = (copy.source, copy.source_offset, copy.destination, copy.destination_offset,
+               *copy.shape, *copy.source_strides, *copy.destination_strides)
+    return all(-(2**63) <= n < 2**63 for n in numbers)
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -1,0 +1,148 @@
+"""The reference backend: every copy through numpy, one ``astype`` per rounding step.
+
+Plain and slow on purpose: it is the oracle the C++ kernel is tested against byte for
+byte, and it defines what a cast means (numpy's ``astype``, ml_dtypes' for bfloat16 and
+fp8). It refuses what the kernel refuses, with the same messages, before any byte moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from math import prod
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from aoa.dtypes import FLOATING, is_known, itemsize, numpy_dtype
+from aoa.errors import ExecutionError
+from aoa.runtime.copies import Copy
+
+INTEGERS = frozenset(
+    {"int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"}
+)
+_INT64_MAX = 2**63 - 1
+
+
+def execute_copies(
+    copies: Sequence[Copy], sources: Sequence[object], destinations: Sequence[object]
+) -> None:
+    """Run ``copies`` from the ``sources`` buffers into the writable ``destinations``."""
+    source_bytes = [byte_array(b, f"source {i}", writable=False) for i, b in enumerate(sources)]
+    destination_bytes = [
+        byte_array(b, f"destination {i}", writable=True) for i, b in enumerate(destinations)
+    ]
+    for index, copy in enumerate(copies):
+        check_copy(index, copy, [len(b) for b in source_bytes], [len(b) for b in destination_bytes])
+    with np.errstate(all="ignore"):  # NaN and overflow are values here, not mistakes
+        for copy in copies:
+            if prod(copy.shape) == 0:
+                continue
+            values = _view(source_bytes[copy.source], copy.source_offset, copy.source_strides,
+                           copy.shape, copy.source_dtype)
+            for dtype in (*copy.via, copy.destination_dtype):
+                values = values.astype(numpy_dtype(dtype))
+            target = _view(destination_bytes[copy.destination], copy.destination_offset,
+                           copy.destination_strides, copy.shape, copy.destination_dtype)
+            target[...] = values
+
+
+def byte_array(buffer: object, name: str, *, writable: bool) -> np.ndarray:
+    """The bytes of a buffer as a flat uint8 array, without copying.
+
+    numpy arrays go through ``view`` because numpy exports bfloat16 and fp8 arrays to no
+    buffer consumer that asks for an item format, as ``memoryview`` does.
+    """
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise ExecutionError(f"{name} is not a contiguous buffer: the array is strided")
+        if writable and not buffer.flags.writeable:
+            raise ExecutionError(f"{name} is not a writable contiguous buffer: it is read-only")
+        return buffer.reshape(-1).view(np.uint8)
+    try:
+        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+    except (TypeError, ValueError) as error:
+        raise ExecutionError(f"{name} is not a contiguous buffer: {error}") from None
+    if writable and view.readonly:
+        raise ExecutionError(f"{name} is not a writable contiguous buffer: it is read-only")
+    return np.frombuffer(view, dtype=np.uint8)
+
+
+def cast_refusal(source: str, destination: str) -> str | None:
+    """Why one ``astype`` step from ``source`` to ``destination`` is refused, or None."""
+    if source == destination or destination in FLOATING:
+        return None
+    if source in INTEGERS and destination in INTEGERS and itemsize(source) == itemsize(destination):
+        return None  # numpy wraps same-size integers around: the bytes stay
+    return (
+        f"cannot cast {source} to {destination}: only casts to floating types, "
+        "and between integers of one size, are supported"
+    )
+
+
+def check_copy(index: int, copy: Copy, source_sizes: list[int], destination_sizes: list[int]) -> None:
+    """Raise ExecutionError, naming the copy, unless ``copy`` stays inside its buffers."""
+
+    def refuse(why: str) -> ExecutionError:
+        return ExecutionError(f"copy {index}: {why}")
+
+    check_fields(index, copy)
+    if not 0 <= copy.source < len(source_sizes):
+        raise refuse(f"source {copy.source} does not exist ({len(source_sizes)} sources)")
+    if not 0 <= copy.destination < len(destination_sizes):
+        raise refuse(
+            f"destination {copy.destination} does not exist ({len(destination_sizes)} destinations)"
+        )
+    chain = (copy.source_dtype, *copy.via, copy.destination_dtype)
+    for source, destination in zip(chain, chain[1:]):
+        why = cast_refusal(source, destination)
+        if why:
+            raise refuse(why)
+    shape = tuple(copy.shape)
+    if any(extent < 0 for extent in shape):
+        raise refuse(f"negative extent in shape {shape}")
+    if 0 in shape:
+        return  # copies nothing, so always in bounds
+    if (itemsize(copy.source_dtype) + itemsize(copy.destination_dtype)) * prod(shape) > _INT64_MAX:
+        raise refuse(f"shape {shape} has too many elements")
+    for role, number, offset, strides, dtype, size in (
+        ("source", copy.source, copy.source_offset, copy.source_strides, copy.source_dtype,
+         source_sizes[copy.source]),
+        ("destination", copy.destination, copy.destination_offset, copy.destination_strides,
+         copy.destination_dtype, destination_sizes[copy.destination]),
+    ):
+        spans = [(extent - 1) * stride for extent, stride in zip(shape, strides)]
+        low = offset + sum(span for span in spans if span < 0)
+        high = offset + sum(span for span in spans if span > 0) + itemsize(dtype)
+        if low < 0 or high > size:
+            raise refuse(
+                f"{role} region (offset {offset}, shape {shape}, strides {tuple(strides)}) "
+                f"does not fit in {role} {number} of {size} bytes"
+            )
+
+
+def check_fields(index: int, copy: Copy) -> None:
+    """Raise ExecutionError unless the dtypes are known and there is one stride per axis."""
+    for dtype in (copy.source_dtype, *copy.via, copy.destination_dtype):
+        if not is_known(dtype):
+            raise ExecutionError(f"copy {index}: unknown dtype {dtype!r}")
+    for role, strides in (("source", copy.source_strides), ("destination", copy.destination_strides)):
+        if len(strides) != len(copy.shape):
+            raise ExecutionError(
+                f"copy {index}: shape {tuple(copy.shape)} and {role} strides {tuple(strides)} "
+                "differ in length"
+            )
+
+
+def _view(
+    buffer: np.ndarray, offset: int, strides: Sequence[int], shape: Sequence[int], dtype: str
+) -> np.ndarray:
+    """The region as an array of ``dtype`` (checked to lie inside ``buffer``).
+
+    Strided as bytes, one more axis over each item's bytes, then viewed as ``dtype``:
+    ``as_strided`` goes through ``__array_interface__``, which cannot carry ml_dtypes types.
+    """
+    dt = numpy_dtype(dtype)
+    items = as_strided(
+        buffer[offset:], shape=(*shape, dt.itemsize), strides=(*strides, 1)
+    )
+    return items.view(dt)[..., 0]
