@@ -176,7 +176,8 @@ class Planner:
             name = split_optimizer_suffix(target.key)[0]
             raise ValidationError(
                 f"{wanted - covered} of the {wanted} elements of destination "
-                f"{_describe(target)} are written by no statement", related=related,
+                f"{_describe(target)} are written by no statement", self._writer_span(target),
+                related=related,
                 hint=f"Map a source to them, or declare the destination empty with "
                      f"`_ -> {name}` to leave it as it is.")
 

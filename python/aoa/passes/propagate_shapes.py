@@ -140,8 +140,10 @@ class _Machine:
     def axis(self, statement: Statement, tensor: Tensor, attributes: Sequence[Attribute]) -> int:
         if len(attributes) != 1 or attributes[0].key != "axis":
             given = ", ".join(f"{a.key}={a.value!r}" for a in attributes) or "none"
+            at = attributes[1].span if len(attributes) > 1 else (
+                attributes[0].span if attributes else statement.span)
             raise _error(ShapeError, "a split or concat takes exactly one attribute, axis=N "
-                         f"(given: {given})", statement.span, statement,
+                         f"(given: {given})", at, statement,
                          hint="Write `a -> b, c, axis=0`; casts and permutes go in statements "
                               "of their own.")
         return self.check_axis(attributes[0], tensor, statement)
