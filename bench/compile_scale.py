@@ -1,0 +1,373 @@
+"""Compile time at model scale: aoa against PaddlePaddle 3.3.1, side by side.
+
+A synthetic mixture-of-experts model of L layers and E experts is described by shards only
+(no tensor data): a tensor-parallel-2 source checkpoint with HF-like names and a
+tensor-parallel-4 destination model with Paddle names. Both sides are timed on the same job,
+"compile the statements and plan every destination shard":
+
+* aoa:    ``aoa.compile(statements, source, destination)`` (the plan covers every shard);
+* Paddle: ``AOAEngine(...)`` then ``find_shard_sources`` for every destination shard.
+
+Paddle is never imported by this process: it is measured in a subprocess run by the Python
+of a separate virtual environment (``--paddle-python``, default /work/paddle-venv/bin/python
+when it exists; bench/README.md says how to make it). aoa is measured here; if it cannot be
+imported (from the installed package or from ``python/`` of this checkout) only Paddle runs.
+
+    python bench/compile_scale.py                     # default sizes
+    python bench/compile_scale.py --quick             # (4,8) and (8,16) only
+    python bench/compile_scale.py --sizes 4x8,61x256 --repeats 1
+    python bench/compile_scale.py --no-paddle         # aoa only
+
+Per layer the model has (hidden 64, 8 query heads and 4 key/value heads of dim 8, expert
+inner size 32, vocabulary 512)::
+
+    source (TP2, bfloat16, 2-D tensors split in 2 along their output axis)
+      model.layers.{l}.self_attn.{q,k,v,o}_proj.weight         HF [out, in]
+      model.layers.{l}.input_layernorm.weight                  [64], one shard
+      model.layers.{l}.mlp.experts.{e}.up_gate_proj.weight     [64, 64]: per rank [GATE_r | UP_r]
+      model.layers.{l}.mlp.experts.{e}.down_proj.weight        HF [64, 32]
+    destination (TP4, 2-D tensors split in 4 along axis 1, the output axis of [in, out])
+      layers.{l}.self_attn.qkv_proj.weight                     [64, 128], fused_qkv (grouped)
+      layers.{l}.self_attn.o_proj.weight                       [64, 64]
+      layers.{l}.input_layernorm.weight                        [64], one shard
+      layers.{l}.mlp.experts.{e}.up_gate_proj.weight           [64, 64]: per rank [GATE_r | UP_r]
+      layers.{l}.mlp.experts.{e}.down_proj.weight              [32, 64]
+
+plus ``embed_tokens``, ``norm`` and ``lm_head``. Source keys: L*(5 + 2E) + 3; destination
+shards: L*(9 + 8E) + 9 -- for L=61, E=256: 31,540 source tensors and 125,486 destination
+shards, the counts of the issue ("31k source tensors, 125k destination shards"). The expert
+gate/up tensor is re-laid out from the TP2 fused layout to the TP4 one (``fused_ffn``,
+lcm(2, 4) = 4 pieces per half), which is the tensor-parallel 2 -> 4 resharding.
+
+``--ffn merge`` keeps HF's separate ``gate_proj``/``up_proj`` ([32, 64] each) in the source
+and fuses them with ``gate^T, up^T -> up_gate_proj, fused_ffn`` (L*(5 + 3E) + 3 source tensors,
+the same destination).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+HIDDEN = 64
+HEADS = 8
+KV_HEADS = 4
+HEAD_DIM = 8
+INTER = 32
+VOCAB = 512
+SOURCE_TP = 2
+DESTINATION_TP = 4
+DTYPE = "bfloat16"
+
+DEFAULT_SIZES = ((4, 8), (8, 16), (16, 32), (32, 64), (61, 256))
+QUICK_SIZES = ((4, 8), (8, 16))
+PADDLE_PYTHON = "/work/paddle-venv/bin/python"
+RESULT_TAG = "@@compile_scale "
+
+#: a shard as plain data: (key, local_shape, global_shape, global_offset, dtype)
+Shard = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], str]
+Layout = dict[str, list[Shard]]
+
+
+# -- the synthetic model -----------------------------------------------------------------
+
+def split_shards(key: str, shape: tuple[int, ...], axis: int, parts: int) -> list[Shard]:
+    """``parts`` equal shards of ``key`` along ``axis`` (one full shard for 1-D tensors)."""
+    if len(shape) == 1:
+        return [(key, shape, shape, (0,), DTYPE)]
+    size = shape[axis] // parts
+    local = tuple(size if i == axis else n for i, n in enumerate(shape))
+    return [
+        (key, local, shape, tuple(r * size if i == axis else 0 for i in range(len(shape))), DTYPE)
+        for r in range(parts)
+    ]
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    experts: int
+    statements: list[str]
+    source: Layout
+    destination: Layout
+
+    @property
+    def source_shards(self) -> int:
+        return sum(len(v) for v in self.source.values())
+
+    @property
+    def destination_shards(self) -> int:
+        return sum(len(v) for v in self.destination.values())
+
+
+def build_model(layers: int, experts: int, ffn: str = "relayout") -> Model:
+    """Statements, TP2 source and TP4 destination of the synthetic MoE model."""
+    q_out, kv_out = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    source: Layout = {}
+    destination: Layout = {}
+
+    def src(key: str, shape: tuple[int, ...], axis: int = 0) -> None:
+        source[key] = split_shards(key, shape, axis, SOURCE_TP)
+
+    def dst(key: str, shape: tuple[int, ...], axis: int = 1) -> None:
+        destination[key] = split_shards(key, shape, axis, DESTINATION_TP)
+
+    src("model.embed_tokens.weight", (VOCAB, HIDDEN))
+    src("model.norm.weight", (HIDDEN,))
+    src("lm_head.weight", (VOCAB, HIDDEN))
+    dst("embed_tokens.weight", (VOCAB, HIDDEN), axis=0)
+    dst("norm.weight", (HIDDEN,))
+    dst("lm_head.weight", (HIDDEN, VOCAB))
+    for layer in range(layers):
+        s, d = f"model.layers.{layer}.", f"layers.{layer}."
+        src(s + "self_attn.q_proj.weight", (q_out, HIDDEN))
+        src(s + "self_attn.k_proj.weight", (kv_out, HIDDEN))
+        src(s + "self_attn.v_proj.weight", (kv_out, HIDDEN))
+        src(s + "self_attn.o_proj.weight", (HIDDEN, q_out))
+        src(s + "input_layernorm.weight", (HIDDEN,))
+        dst(d + "self_attn.qkv_proj.weight", (HIDDEN, q_out + 2 * kv_out))
+        dst(d + "self_attn.o_proj.weight", (q_out, HIDDEN))
+        dst(d + "input_layernorm.weight", (HIDDEN,))
+        for expert in range(experts):
+            se, de = f"{s}mlp.experts.{expert}.", f"{d}mlp.experts.{expert}."
+            if ffn == "relayout":
+                src(se + "up_gate_proj.weight", (HIDDEN, 2 * INTER), axis=1)
+            else:
+                src(se + "gate_proj.weight", (INTER, HIDDEN))
+                src(se + "up_proj.weight", (INTER, HIDDEN))
+            src(se + "down_proj.weight", (HIDDEN, INTER))
+            dst(de + "up_gate_proj.weight", (HIDDEN, 2 * INTER))
+            dst(de + "down_proj.weight", (INTER, HIDDEN))
+
+    s, d = "model.layers.$LAYER_ID.", "layers.$LAYER_ID."
+    se, de = f"{s}mlp.experts.$EXPERT_ID.", f"{d}mlp.experts.$EXPERT_ID."
+    if ffn == "relayout":
+        up_gate = f"{se}up_gate_proj.weight -> {de}up_gate_proj.weight, fused_ffn"
+    else:
+        up_gate = (f"{se}gate_proj.weight^T, {se}up_proj.weight^T -> "
+                   f"{de}up_gate_proj.weight, fused_ffn")
+    statements = [
+        "model.embed_tokens.weight -> embed_tokens.weight",
+        "model.norm.weight -> norm.weight",
+        "lm_head.weight^T -> lm_head.weight",
+        f"{s}self_attn.q_proj.weight^T, {s}self_attn.k_proj.weight^T, "
+        f"{s}self_attn.v_proj.weight^T -> {d}self_attn.qkv_proj.weight, fused_qkv, "
+        f"num_heads={HEADS}, num_key_value_groups={KV_HEADS}",
+        f"{s}self_attn.o_proj.weight^T -> {d}self_attn.o_proj.weight",
+        f"{s}input_layernorm.weight -> {d}input_layernorm.weight",
+        up_gate,
+        f"{se}down_proj.weight^T -> {de}down_proj.weight",
+    ]
+    return Model(layers, experts, statements, source, destination)
+
+
+# -- the two measurements ----------------------------------------------------------------
+
+def best_time(job: Callable[[], int], repeats: int) -> tuple[float, int]:
+    """Best wall-clock time of ``repeats`` runs of ``job``, and what its last run returned."""
+    best, result = float("inf"), 0
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        result = job()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def measure_paddle(model: Model, repeats: int) -> dict:
+    """Build Paddle's engine and ask it for every destination shard (Paddle's python only)."""
+    from paddle.distributed.flex_checkpoint.aoa.aoa_engine import AOAEngine
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeightDesc
+
+    def shard_info(layout: Layout) -> dict:
+        return {k: [ShardedWeightDesc(*s) for s in v] for k, v in layout.items()}
+
+    source, destination = shard_info(model.source), shard_info(model.destination)
+    targets = [t for shards in destination.values() for t in shards]
+
+    def job() -> int:
+        engine = AOAEngine(aoa_config={"aoa_statements": list(model.statements)},
+                           source_state_shard_info=source,
+                           destination_state_shard_info=destination)
+        return sum(len(engine.find_shard_sources(t)) for t in targets)
+
+    seconds, entries = best_time(job, repeats)
+    return {"seconds": seconds, "entries": entries, "targets": len(targets)}
+
+
+def import_aoa() -> tuple[object | None, str]:
+    """aoa from the installed package, else from python/ of this checkout, and why not."""
+    try:
+        import aoa
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+        sys.modules.pop("aoa", None)
+        try:
+            import aoa
+        except Exception as exc:  # a checkout in mid-edit may fail in any way
+            return None, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if not (hasattr(aoa, "compile") and hasattr(aoa, "ShardDesc")):
+        return None, f"{aoa.__file__} has no aoa.compile / aoa.ShardDesc yet"
+    return aoa, ""
+
+
+def measure_aoa(aoa, model: Model, repeats: int) -> dict:
+    def shard_info(layout: Layout) -> dict:
+        return {k: [aoa.ShardDesc(*s) for s in v] for k, v in layout.items()}
+
+    source, destination = shard_info(model.source), shard_info(model.destination)
+    plan = None
+
+    def job() -> int:
+        nonlocal plan
+        plan = aoa.compile(model.statements, source, destination)
+        return len(plan.destinations)
+
+    seconds, planned = best_time(job, repeats)
+    copies = getattr(plan, "copies", None)
+    return {"seconds": seconds, "targets": planned,
+            "entries": None if copies is None else len(copies)}
+
+
+# -- driver --------------------------------------------------------------------------------
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.replace(" ", "").split(","):
+        if item:
+            layers, _, experts = item.lower().partition("x")
+            sizes.append((int(layers), int(experts)))
+    return sizes
+
+
+def repeats_for(layers: int, experts: int, override: int | None) -> int:
+    if override:
+        return override
+    return 3 if layers * experts <= 2048 else 1
+
+
+def run_paddle_worker(args: argparse.Namespace) -> int:
+    """``--paddle-worker``: measure Paddle for each size, one tagged JSON line per size."""
+    for layers, experts in args.sizes:
+        model = build_model(layers, experts, args.ffn)
+        result = measure_paddle(model, repeats_for(layers, experts, args.repeats))
+        print(RESULT_TAG + json.dumps({"size": [layers, experts], **result}), flush=True)
+    return 0
+
+
+def paddle_in_subprocess(args: argparse.Namespace) -> dict[tuple[int, int], dict]:
+    command = [args.paddle_python, os.path.abspath(__file__), "--paddle-worker",
+               "--ffn", args.ffn, "--sizes", ",".join(f"{n}x{e}" for n, e in args.sizes)]
+    if args.repeats:
+        command += ["--repeats", str(args.repeats)]
+    print(f"paddle: measuring in a subprocess: {args.paddle_python}", file=sys.stderr)
+    results: dict[tuple[int, int], dict] = {}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as worker:
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            if line.startswith(RESULT_TAG):
+                result = json.loads(line[len(RESULT_TAG):])
+                layers, experts = result["size"]
+                results[(layers, experts)] = result
+                print(f"paddle: L={layers} E={experts}: {result['seconds']:.3f} s",
+                      file=sys.stderr)
+    if worker.returncode:
+        print(f"paddle: the worker exited with status {worker.returncode}", file=sys.stderr)
+    return results
+
+
+def seconds_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=parse_sizes, default=None,
+                        help="comma-separated LxE list, e.g. 4x8,32x64,61x256")
+    parser.add_argument("--quick", action="store_true", help="sizes (4,8) and (8,16) only")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="best of N (default 3, or 1 where L*E > 2048)")
+    parser.add_argument("--ffn", choices=("relayout", "merge"), default="relayout",
+                        help="expert gate/up: TP2 fused -> TP4 fused (default) or HF gate, up "
+                             "-> fused")
+    default_python = PADDLE_PYTHON if os.path.exists(PADDLE_PYTHON) else None
+    parser.add_argument("--paddle-python", default=default_python,
+                        help=f"python of the Paddle environment (default {PADDLE_PYTHON} "
+                             "if it exists)")
+    parser.add_argument("--no-paddle", action="store_true", help="measure aoa only")
+    parser.add_argument("--no-aoa", action="store_true", help="measure Paddle only")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--paddle-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
+
+    if args.paddle_worker:
+        return run_paddle_worker(args)
+
+    paddle: dict[tuple[int, int], dict] = {}
+    if not args.no_paddle:
+        if args.paddle_python:
+            paddle = paddle_in_subprocess(args)
+        else:
+            print(f"paddle: skipped (no {PADDLE_PYTHON}; see bench/README.md or pass "
+                  "--paddle-python)", file=sys.stderr)
+
+    aoa, why_not = (None, "") if args.no_aoa else import_aoa()
+    if why_not:
+        print(f"aoa: skipped ({why_not})", file=sys.stderr)
+    ours: dict[tuple[int, int], dict] = {}
+    for layers, experts in args.sizes if aoa else []:
+        model = build_model(layers, experts, args.ffn)
+        ours[(layers, experts)] = measure_aoa(aoa, model, repeats_for(layers, experts,
+                                                                      args.repeats))
+        print(f"aoa: L={layers} E={experts}: {ours[(layers, experts)]['seconds']:.3f} s",
+              file=sys.stderr)
+
+    header = (f"{'L':>4} {'E':>5} {'src tensors':>12} {'src shards':>11} {'dst shards':>11} "
+              f"{'paddle s':>9} {'aoa s':>8} {'ratio':>7} {'paddle us/LE':>13} "
+              f"{'aoa us/LE':>10}")
+    print(f"compile + plan every destination shard ({args.ffn} experts; "
+          f"TP{SOURCE_TP} -> TP{DESTINATION_TP}, wall clock, best of N)")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for layers, experts in args.sizes:
+        model = build_model(layers, experts, args.ffn)
+        p = paddle.get((layers, experts), {}).get("seconds")
+        a = ours.get((layers, experts), {}).get("seconds")
+        units = layers * experts
+        ratio = f"{p / a:.1f}x" if p is not None and a else "-"
+        per_p = "-" if p is None else f"{p / units * 1e6:.1f}"
+        per_a = "-" if a is None else f"{a / units * 1e6:.1f}"
+        print(f"{layers:>4} {experts:>5} {len(model.source):>12,} {model.source_shards:>11,} "
+              f"{model.destination_shards:>11,} {seconds_text(p):>9} {seconds_text(a):>8} "
+              f"{ratio:>7} {per_p:>13} {per_a:>10}")
+        rows.append({"layers": layers, "experts": experts, "source_tensors": len(model.source),
+                     "source_shards": model.source_shards,
+                     "destination_shards": model.destination_shards,
+                     "paddle": paddle.get((layers, experts)), "aoa": ours.get((layers, experts))})
+    for row in rows:
+        p_entries = (row["paddle"] or {}).get("entries")
+        a_entries = (row["aoa"] or {}).get("entries")
+        if p_entries is not None and a_entries is not None:
+            same = "same count" if p_entries == a_entries else "counts differ (may be fine)"
+            print(f"L={row['layers']} E={row['experts']}: aoa {a_entries:,} copies, "
+                  f"Paddle {p_entries:,} entries: {same}")
+    if args.json:
+        args.json.write_text(json.dumps({"ffn": args.ffn, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
