@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from aoa import _core
+import aoa._core as _core
 from aoa.errors import ExecutionError, UsageError
 from aoa.runtime.copies import Copy
 from aoa.runtime.numpy_backend import check_fields

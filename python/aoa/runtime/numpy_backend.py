@@ -8,6 +8,7 @@ fp8). It refuses what the kernel refuses, with the same messages, before any byt
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from math import prod
 
 import numpy as np
@@ -17,22 +18,24 @@ from aoa.dtypes import FLOATING, is_known, itemsize, numpy_dtype
 from aoa.errors import ExecutionError
 from aoa.runtime.copies import Copy
 
-INTEGERS = frozenset(
-    {"int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"}
-)
+INTEGERS = frozenset({"int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"})
 _INT64_MAX = 2**63 - 1
 
 
 def execute_copies(
     copies: Sequence[Copy], sources: Sequence[object], destinations: Sequence[object]
 ) -> None:
-    """Run ``copies`` from the ``sources`` buffers into the writable ``destinations``."""
+    """Run ``copies`` from the ``sources`` buffers into the writable ``destinations``.
+
+    Each copy reads all its values before it writes: sources must not overlap destinations
+    (nor destinations each other) for the kernel to agree.
+    """
     source_bytes = [byte_array(b, f"source {i}", writable=False) for i, b in enumerate(sources)]
     destination_bytes = [
         byte_array(b, f"destination {i}", writable=True) for i, b in enumerate(destinations)
     ]
     for index, copy in enumerate(copies):
-        check_copy(index, copy, [len(b) for b in source_bytes], [len(b) for b in destination_bytes])
+        check_copy(index, copy, [b.size for b in source_bytes], [b.size for b in destination_bytes])
     with np.errstate(all="ignore"):  # NaN and overflow are values here, not mistakes
         for copy in copies:
             if prod(copy.shape) == 0:
@@ -79,7 +82,9 @@ def cast_refusal(source: str, destination: str) -> str | None:
     )
 
 
-def check_copy(index: int, copy: Copy, source_sizes: list[int], destination_sizes: list[int]) -> None:
+def check_copy(
+    index: int, copy: Copy, source_sizes: Sequence[int], destination_sizes: Sequence[int]
+) -> None:
     """Raise ExecutionError, naming the copy, unless ``copy`` stays inside its buffers."""
 
     def refuse(why: str) -> ExecutionError:
@@ -93,7 +98,7 @@ def check_copy(index: int, copy: Copy, source_sizes: list[int], destination_size
             f"destination {copy.destination} does not exist ({len(destination_sizes)} destinations)"
         )
     chain = (copy.source_dtype, *copy.via, copy.destination_dtype)
-    for source, destination in zip(chain, chain[1:]):
+    for source, destination in pairwise(chain):
         why = cast_refusal(source, destination)
         if why:
             raise refuse(why)
@@ -110,7 +115,7 @@ def check_copy(index: int, copy: Copy, source_sizes: list[int], destination_size
         ("destination", copy.destination, copy.destination_offset, copy.destination_strides,
          copy.destination_dtype, destination_sizes[copy.destination]),
     ):
-        spans = [(extent - 1) * stride for extent, stride in zip(shape, strides)]
+        spans = [(extent - 1) * stride for extent, stride in zip(shape, strides, strict=True)]
         low = offset + sum(span for span in spans if span < 0)
         high = offset + sum(span for span in spans if span > 0) + itemsize(dtype)
         if low < 0 or high > size:
@@ -125,7 +130,9 @@ def check_fields(index: int, copy: Copy) -> None:
     for dtype in (copy.source_dtype, *copy.via, copy.destination_dtype):
         if not is_known(dtype):
             raise ExecutionError(f"copy {index}: unknown dtype {dtype!r}")
-    for role, strides in (("source", copy.source_strides), ("destination", copy.destination_strides)):
+    for role, strides in (
+        ("source", copy.source_strides), ("destination", copy.destination_strides)
+    ):
         if len(strides) != len(copy.shape):
             raise ExecutionError(
                 f"copy {index}: shape {tuple(copy.shape)} and {role} strides {tuple(strides)} "
