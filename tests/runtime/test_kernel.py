@@ -1,0 +1,414 @@
+"""The C++ kernel against the numpy reference, byte for byte.
+
+Destinations start as the same random bytes for both backends, so a byte written where it
+should not be shows as well as a wrong value. Sources are random bytes: NaN payloads,
+infinities and subnormals come up in every float dtype.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aoa import _core
+from aoa.dtypes import FLOATING, NUMPY_DTYPES, itemsize
+from aoa.errors import ExecutionError, UsageError
+from aoa.runtime import cpp_backend, numpy_backend
+from aoa.runtime.copies import Copy
+
+DTYPES = tuple(NUMPY_DTYPES)
+INTEGERS = sorted(numpy_backend.INTEGERS)
+#: Every supported (source, destination) pair of one step.
+CASTS = [(s, d) for s in DTYPES for d in DTYPES if numpy_backend.cast_refusal(s, d) is None]
+
+
+def run_both(copies, sources, destinations, threads=1):
+    """Run both backends on copies of ``destinations``; assert the same bytes; return them."""
+    expected = [bytearray(d) for d in destinations]
+    numpy_backend.execute_copies(copies, sources, expected)
+    actual = [bytearray(d) for d in destinations]
+    cpp_backend.execute_copies(copies, sources, actual, threads=threads)
+    for index, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        assert got == want, f"destination {index} differs"
+    return actual
+
+
+def refusals(copies, sources, destinations):
+    """Both backends' ExecutionError messages; asserts that no byte was written."""
+    messages = []
+    for execute in (numpy_backend.execute_copies, cpp_backend.execute_copies):
+        written = [bytearray(d) for d in destinations]
+        with pytest.raises(ExecutionError) as error:
+            execute(copies, sources, written)
+        assert written == [bytearray(d) for d in destinations]
+        messages.append(str(error.value))
+    return messages
+
+
+def random_bytes(seed: int, size: int, dtype: str) -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    return (data & 1 if dtype == "bool" else data).tobytes()  # bools are 0 or 1
+
+
+# --- layouts -------------------------------------------------------------------------
+
+
+@st.composite
+def shapes(draw, max_ndim=5, max_extent=5):
+    shape = draw(st.lists(st.integers(1, max_extent), max_size=max_ndim))
+    if shape and draw(st.integers(0, 9)) == 0:
+        shape[draw(st.integers(0, len(shape) - 1))] = 0
+    return tuple(shape)
+
+
+@st.composite
+def regions(draw, shape, item, broadcast=False):
+    """(offset, strides, buffer size) of ``shape`` inside a padded tensor with axes in any
+    memory order, some flipped (negative strides), some broadcast (zero strides)."""
+    ndim = len(shape)
+    order = draw(st.permutations(range(ndim)))
+    padded = [extent + draw(st.integers(0, 2)) for extent in shape]
+    stride = item * draw(st.sampled_from([1, 1, 1, 2]))
+    strides = [0] * ndim
+    for axis in reversed(order):
+        strides[axis] = stride
+        stride *= padded[axis]
+    lead = draw(st.integers(0, 2 * item))  # unaligned offsets too
+    offset = lead + sum(
+        draw(st.integers(0, p - e)) * s for p, e, s in zip(padded, shape, strides, strict=True)
+    )
+    for axis in range(ndim):
+        if broadcast and draw(st.integers(0, 7)) == 0:
+            strides[axis] = 0
+        elif draw(st.integers(0, 3)) == 0:
+            offset += (shape[axis] - 1) * strides[axis] if shape[axis] else 0
+            strides[axis] = -strides[axis]
+    size = lead + stride + draw(st.integers(0, item))
+    return offset, tuple(strides), size
+
+
+@st.composite
+def casts(draw):
+    source, destination = draw(st.sampled_from(CASTS))
+    via = ()
+    if destination in FLOATING:
+        via = tuple(draw(st.lists(st.sampled_from(sorted(FLOATING)), max_size=2)))
+    return source, destination, via
+
+
+@st.composite
+def calls(draw, max_copies=4, max_extent=5):
+    """A kernel call: copies, each with its own source and destination buffer."""
+    count = draw(st.integers(1, max_copies))
+    source_slots = draw(st.permutations(range(count)))
+    destination_slots = draw(st.permutations(range(count)))
+    copies, sources, destinations = [], [None] * count, [None] * count
+    for k in range(count):
+        source_dtype, destination_dtype, via = draw(casts())
+        shape = draw(shapes(max_extent=max_extent))
+        s_offset, s_strides, s_size = draw(regions(shape, itemsize(source_dtype), broadcast=True))
+        d_offset, d_strides, d_size = draw(regions(shape, itemsize(destination_dtype)))
+        seed = draw(st.integers(0, 2**32 - 1))
+        sources[source_slots[k]] = random_bytes(seed, s_size, source_dtype)
+        destinations[destination_slots[k]] = random_bytes(seed + 1, d_size, "uint8")
+        copies.append(Copy(source_slots[k], s_offset, s_strides, destination_slots[k], d_offset,
+                           d_strides, shape, source_dtype, destination_dtype, via))
+    return copies, sources, destinations
+
+
+# --- same bytes as the reference ---------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(calls(), st.integers(1, 4))
+def test_copies_match_the_reference(call, threads):
+    run_both(*call, threads=threads)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.data(), st.integers(1, 4))
+def test_large_permuted_copies_match_across_threads(data, threads):
+    # Large enough to be cut over threads and to span several 64 x 64 tiles.
+    ndim = data.draw(st.integers(2, 3))
+    extents = st.integers(40, 140) if ndim == 2 else st.integers(20, 70)
+    shape = tuple(data.draw(st.lists(extents, min_size=ndim, max_size=ndim)))
+    source_dtype, destination_dtype, via = data.draw(casts())
+    permutation = data.draw(st.permutations(range(ndim)))
+    source_shape = tuple(shape[k] for k in permutation)
+    contiguous = np.cumprod((1, *source_shape[:0:-1]))[::-1] * itemsize(source_dtype)
+    source_strides = [0] * ndim
+    for position, axis in enumerate(permutation):
+        source_strides[axis] = int(contiguous[position])
+    elements = int(np.prod(shape))
+    destination_strides = np.cumprod((1, *shape[:0:-1]))[::-1] * itemsize(destination_dtype)
+    copy = Copy(0, 0, tuple(source_strides), 0, 0, tuple(int(s) for s in destination_strides),
+                shape, source_dtype, destination_dtype, via)
+    sources = [random_bytes(1, elements * itemsize(source_dtype), source_dtype)]
+    run_both([copy], sources, [bytes(elements * itemsize(destination_dtype))], threads=threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_many_small_copies_are_shared_over_threads(threads):
+    # 600 rows of 256 float32 into bfloat16, each its own copy, reversed in order.
+    rows, width = 600, 256
+    copies = [
+        Copy(0, row * width * 4, (4,), 0, (rows - 1 - row) * width * 2, (2,), (width,),
+             "float32", "bfloat16")
+        for row in range(rows)
+    ]
+    run_both(copies, [random_bytes(2, rows * width * 4, "float32")], [bytes(rows * width * 2)],
+             threads=threads)
+
+
+def test_a_long_cast_chain_runs_in_blocks():
+    copy = Copy(0, 0, (4,), 0, 0, (8,), (5000,), "float32", "float64", ("bfloat16", "float16"))
+    run_both([copy], [random_bytes(3, 20000, "float32")], [bytes(40000)])
+
+
+def test_a_contiguous_tensor_is_copied_whole():
+    data = random_bytes(4, 3 * 5 * 7 * 2, "bfloat16")
+    copy = Copy(0, 0, (70, 14, 2), 0, 0, (70, 14, 2), (3, 5, 7), "bfloat16", "bfloat16")
+    (out,) = run_both([copy], [data], [bytes(len(data))], threads=2)
+    assert bytes(out) == data
+
+
+# --- casts -----------------------------------------------------------------------------
+
+
+def every_value(dtype: str) -> bytes:
+    """Every bit pattern of a 1- or 2-byte dtype; random patterns and edges of wider ones."""
+    size = itemsize(dtype)
+    if dtype == "bool":
+        return bytes([0, 1])
+    if size <= 2:
+        return np.arange(256**size, dtype=f"u{size}").tobytes()
+    rng = np.random.default_rng(5)
+    bits = rng.integers(0, 256, 80_000 * size, dtype=np.uint8).view(f"u{size}")
+    if dtype not in FLOATING:
+        edges = [np.iinfo(NUMPY_DTYPES[dtype]).min, np.iinfo(NUMPY_DTYPES[dtype]).max, 0, 1]
+        edges += [sign * ((1 << e) + (1 << max(e - k, 0)) + d)
+                  for e in range(8 * size - 1) for k in (3, 8, 9, 11, 24, 25, 54)
+                  for d in (-1, 0, 1) for sign in (1, -1)]
+        info = np.iinfo(NUMPY_DTYPES[dtype])
+        inside = np.array([v for v in edges if info.min <= v <= info.max], dtype=dtype)
+        return np.concatenate([bits, inside.view(f"u{size}")]).tobytes()
+    # Values at and next to every format's largest, smallest normal and smallest
+    # subnormal value, and at the midpoints beside them: where rounding decides.
+    edges = []
+    for target in FLOATING:
+        info = ml_dtypes.finfo(NUMPY_DTYPES[target])
+        for value in (float(info.max), float(info.smallest_normal), float(info.smallest_subnormal)):
+            edges += [value * scale for scale in (0.25, 0.5, 0.75, 1, 1.0625, 1.125, 1.25, 1.5)]
+    edges += [np.inf, 0.0, 1.0, 1 + 2**-8, 1 + 2**-9, 1 + 2**-11, 1 + 2**-4]
+    with np.errstate(over="ignore"):
+        exact = np.array(edges, np.float64).astype(NUMPY_DTYPES[dtype]).view(f"u{size}")
+    sign = np.array(1 << (8 * size - 1), dtype=f"u{size}")
+    edges = np.concatenate([exact, exact + 1, exact - 1])
+    return np.concatenate([bits, edges, edges | sign]).tobytes()
+
+
+@pytest.mark.parametrize("source", DTYPES)
+def test_every_cast_matches_astype(source):
+    values = every_value(source)
+    count = len(values) // itemsize(source)
+    copies = [
+        Copy(0, 0, (itemsize(source),), k, 0, (itemsize(target),), (count,), source, target)
+        for k, target in enumerate(sorted(FLOATING))
+    ]
+    run_both(copies, [values], [bytes(count * itemsize(t)) for t in sorted(FLOATING)])
+
+
+def astype_via_kernel(values: np.ndarray, target: str) -> np.ndarray:
+    out = np.zeros(values.shape, NUMPY_DTYPES[target])
+    copy = Copy(0, 0, (values.itemsize,), 0, 0, (out.itemsize,), values.shape,
+                values.dtype.name, target)
+    cpp_backend.execute_copies([copy], [values], [out])
+    return out
+
+
+def test_fp8_overflow_follows_ml_dtypes():
+    # e4m3fn has no infinity: past 464 (halfway to the next step above 448) it is NaN;
+    # e5m2 overflows to infinity from 61440 (halfway above 57344).
+    values = np.array([448, 464, 465, 1e6, np.inf, -np.inf], np.float32)
+    e4m3 = astype_via_kernel(values, "float8_e4m3fn").view(np.uint8)
+    assert list(e4m3) == [0x7E, 0x7E, 0x7F, 0x7F, 0x7F, 0xFF]
+    values = np.array([57344, 61439, 61440, 1e6, -np.inf], np.float64)
+    e5m2 = astype_via_kernel(values, "float8_e5m2").view(np.uint8)
+    assert list(e5m2) == [0x7B, 0x7B, 0x7C, 0x7C, 0xFC]
+
+
+def test_bfloat16_rounds_to_nearest_even_and_quiets_nan():
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F800001, 0xFFC00001, 0x00000001],
+                    np.uint32)
+    out = astype_via_kernel(bits.view(np.float32), "bfloat16").view(np.uint16)
+    assert [hex(b) for b in out] == ["0x3f80", "0x3f82", "0x3f81", "0x7fc0", "0xffc0", "0x0"]
+
+
+def test_float64_rounds_once_to_bfloat16():
+    # Just above a bfloat16 midpoint, by less than float32 can hold: rounding through
+    # float32 would land on the midpoint and then on the even neighbour below.
+    value = np.array([1 + 2**-8 + 2**-40], np.float64)
+    assert astype_via_kernel(value, "bfloat16").view(np.uint16)[0] == 0x3F81
+
+
+def test_int64_rounds_once_to_bfloat16():
+    value = np.array([2**60 + 2**52 + 1], np.int64)  # via float64 it would tie to even
+    assert astype_via_kernel(value, "bfloat16").view(np.uint16)[0] == 0x5D81
+
+
+# --- refusals --------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls(max_copies=3), st.data())
+def test_regions_out_of_bounds_are_refused_naming_the_copy(call, data):
+    copies, sources, destinations = call
+    nonempty = [k for k, c in enumerate(copies) if 0 not in c.shape]
+    if not nonempty:
+        return
+    index = data.draw(st.sampled_from(nonempty))
+    copy = copies[index]
+    side = data.draw(st.sampled_from(["source", "destination"]))
+    buffers = sources if side == "source" else destinations
+    number = getattr(copy, side)
+    dtype = getattr(copy, f"{side}_dtype")
+    strides, offset = getattr(copy, f"{side}_strides"), getattr(copy, f"{side}_offset")
+    spans = [(n - 1) * s for n, s in zip(copy.shape, strides, strict=True)]
+    low = offset + sum(s for s in spans if s < 0)
+    high = offset + sum(s for s in spans if s > 0) + itemsize(dtype)
+    how = data.draw(st.sampled_from(["short buffer", "before the start", "huge stride"]))
+    if how == "short buffer":
+        buffers[number] = buffers[number][: data.draw(st.integers(0, high - 1))]
+    elif how == "before the start":
+        copies[index] = _replace(copy, side, offset=offset - low - data.draw(st.integers(1, 9)))
+    else:
+        if not copy.shape:
+            return
+        axis = data.draw(st.integers(0, len(copy.shape) - 1))
+        if copy.shape[axis] == 1:
+            return
+        big = list(strides)
+        big[axis] = data.draw(st.sampled_from([2**62, -(2**62), len(buffers[number]) + 1]))
+        copies[index] = _replace(copy, side, strides=tuple(big))
+    numpy_message, cpp_message = refusals(copies, sources, destinations)
+    assert numpy_message == cpp_message
+    assert f"copy {index}: {side} region" in cpp_message
+
+
+def _replace(copy: Copy, side: str, **fields) -> Copy:
+    from dataclasses import replace
+
+    return replace(copy, **{f"{side}_{name}": value for name, value in fields.items()})
+
+
+def test_empty_regions_are_always_in_bounds():
+    copy = Copy(0, 10**12, (4, -(10**15)), 0, -5, (8, 3), (3, 0), "float32", "float64")
+    run_both([copy], [b""], [b"abc"])
+
+
+@pytest.mark.parametrize(
+    ("copy", "message"),
+    [
+        (Copy(1, 0, (4,), 0, 0, (4,), (2,), "float32", "float32"),
+         "copy 1: source 1 does not exist (1 sources)"),
+        (Copy(0, 0, (4,), -1, 0, (4,), (2,), "float32", "float32"),
+         "copy 1: destination -1 does not exist (1 destinations)"),
+        (Copy(0, 0, (4,), 0, 0, (4,), (2,), "float32", "int32"),
+         "copy 1: cannot cast float32 to int32: only casts to floating types"),
+        (Copy(0, 0, (2,), 0, 0, (4,), (2,), "int16", "int32"),
+         "copy 1: cannot cast int16 to int32"),
+        (Copy(0, 0, (1,), 0, 0, (1,), (2,), "uint8", "bool"),
+         "copy 1: cannot cast uint8 to bool"),
+        (Copy(0, 0, (4,), 0, 0, (4,), (2,), "float32", "float32", ("int32",)),
+         "copy 1: cannot cast float32 to int32"),
+        (Copy(0, 0, (4,), 0, 0, (4,), (-2,), "float32", "float32"),
+         "copy 1: negative extent in shape (-2,)"),
+        (Copy(0, 0, (0, 0), 0, 0, (0, 0), (2**40, 2**40), "float32", "float32"),
+         "copy 1: shape (1099511627776, 1099511627776) has too many elements"),
+        (Copy(0, 0, (4,), 0, 0, (4,), (2,), "float33", "float32"),
+         "copy 1: unknown dtype 'float33'"),
+        (Copy(0, 0, (4, 4), 0, 0, (4,), (2,), "float32", "float32"),
+         "copy 1: shape (2,) and source strides (4, 4) differ in length"),
+    ],
+)
+def test_bad_copies_are_refused_before_any_byte_moves(copy, message):
+    good = Copy(0, 0, (4,), 0, 0, (4,), (2,), "float32", "float32")
+    numpy_message, cpp_message = refusals([good, copy], [bytes(8)], [bytes(8)])
+    assert numpy_message == cpp_message
+    assert message in cpp_message
+
+
+def test_the_kernel_refuses_bad_tables():
+    def table(*fields):
+        return np.array(fields, np.int64)
+
+    sources, destinations = [bytes(range(8))], [bytearray(8)]
+    record = (0, 0, 0, 0, 1, 1, 0, 1, 2, 4, 4)  # 2 float32, contiguous
+    _core.execute_copies(table(*record), sources, destinations)
+    assert destinations[0] == sources[0]
+    for fields, message in [
+        ((*record, *record[:-1]), "copy 1: the table ends inside"),
+        ((0, 0, 0, 0, 15, 1, 0, 0), "copy 0: unknown dtype code 15"),
+        ((0, 0, 0, 0, 1, 1, 1, -1, 0), "copy 0: unknown dtype code -1"),
+        ((0, 0, 0, 0, 1, 1, 0, -1), "copy 0: negative number of axes"),
+    ]:
+        with pytest.raises(_core.CopyError, match=message):
+            _core.execute_copies(table(*fields), sources, destinations)
+    with pytest.raises(ValueError, match="int64"):
+        _core.execute_copies(np.zeros(3, np.int32), sources, destinations)
+    with pytest.raises(ValueError, match="threads"):
+        _core.execute_copies(table(*record), sources, destinations, threads=0)
+
+
+def test_destinations_must_be_writable_and_contiguous():
+    copy = Copy(0, 0, (4,), 0, 0, (4,), (2,), "float32", "float32")
+    read_only = np.zeros(2, np.float32)
+    read_only.flags.writeable = False
+    for destination in (bytes(8), np.zeros(4, np.float32)[::2], read_only):
+        for execute in (numpy_backend.execute_copies, cpp_backend.execute_copies):
+            with pytest.raises(ExecutionError, match="destination 0 is not a"):
+                execute([copy], [bytes(8)], [destination])
+    with pytest.raises(UsageError):
+        cpp_backend.execute_copies([copy], [bytes(8)], [bytearray(8)], threads=0)
+
+
+def test_numbers_beyond_int64_are_refused():
+    copy = Copy(0, 2**64, (4,), 0, 0, (4,), (2,), "float32", "float32")
+    with pytest.raises(ExecutionError, match="copy 0: "):
+        numpy_backend.execute_copies([copy], [bytes(8)], [bytearray(8)])
+    with pytest.raises(ExecutionError, match="copy 0: a number does not fit in 64 bits"):
+        cpp_backend.execute_copies([copy], [bytes(8)], [bytearray(8)])
+
+
+# --- buffers ---------------------------------------------------------------------------
+
+
+def test_every_kind_of_buffer(tmp_path):
+    values = np.arange(6, dtype=np.float32)
+    path = tmp_path / "data"
+    path.write_bytes(values.tobytes())
+    with path.open("r+b") as file, mmap.mmap(file.fileno(), 0) as mapped:
+        sources = [values.tobytes(), bytearray(values.tobytes()), memoryview(values.tobytes()),
+                   mapped, values.reshape(2, 3), values.astype(ml_dtypes.bfloat16)]
+        copies = [Copy(k, 0, (4,), k, 0, (2,), (6,), "float32", "bfloat16") for k in range(5)]
+        copies.append(Copy(5, 0, (2,), 5, 0, (4,), (6,), "bfloat16", "float32"))
+        for execute in (numpy_backend.execute_copies, cpp_backend.execute_copies):
+            outputs = [np.zeros(6, ml_dtypes.bfloat16), bytearray(12), memoryview(bytearray(12)),
+                       np.zeros(6, ml_dtypes.bfloat16), np.zeros(6, ml_dtypes.bfloat16),
+                       np.zeros((3, 2), np.float32)]
+            execute(copies, sources, outputs)
+            for k, output in enumerate(outputs[:5]):
+                written = numpy_backend.byte_array(output, f"output {k}", writable=False)
+                assert written.view(ml_dtypes.bfloat16).tolist() == values.tolist()
+            assert outputs[5].ravel().tolist() == values.tolist()
+
+
+def test_dtype_codes_match_the_kernel():
+    assert cpp_backend.DTYPE_CODES == _core.DTYPE_CODES
+    assert set(cpp_backend.DTYPE_CODES) == set(NUMPY_DTYPES)
+
