@@ -122,6 +122,59 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
+def cmd_convert(args) -> int:
+    from aoa.convert import check_output_folder, execute, prepare
+    from aoa.destination_layout import read_layout
+    from aoa.storage.checkpoint import open_source_checkpoint
+
+    statements, reverse, file = read_mapping(args.mapping)
+    layout = read_layout(args.layout) if args.layout else None
+    destination = read_shard_info(args.destination, "destination")
+    with open_source_checkpoint(args.source) as checkpoint:
+        conversion = prepare(statements, checkpoint, layout=layout, destination=destination,
+                             reverse=reverse or args.reverse, file=file,
+                             max_file_bytes=int(args.max_file_size * 1e9))
+        for note in conversion.notes:
+            print(note, file=sys.stderr)
+        if args.dry_run:
+            print(conversion.describe())
+            return EXIT_OK
+        check_output_folder(Path(args.output))
+        with _progress(conversion.nbytes, args.quiet) as advance:
+            execute(conversion, checkpoint, args.output, threads=args.threads,
+                    progress=advance, check_output=False)
+    rate = conversion.nbytes / conversion.seconds / 1e9 if conversion.seconds else 0.0
+    print(f"wrote {len(conversion.files)} files ({conversion.nbytes / 1e9:.3f} GB) to "
+          f"{args.output} in {conversion.seconds:.2f} s, {rate:.2f} GB/s")
+    return EXIT_OK
+
+
+class _progress:
+    """A byte-counting progress bar (tqdm) on stderr, or nothing when quiet."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.quiet, self.bar = total, quiet, None
+
+    def __enter__(self):
+        if self.quiet:
+            return None
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total, unit="B", unit_scale=True, unit_divisor=1000,
+                        desc="writing", file=sys.stderr, leave=False)
+        return self.bar.update
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def cmd_demo(args) -> int:
+    from aoa import demo
+
+    return EXIT_OK if demo.run(threads=args.threads, keep=args.keep) == 0 else EXIT_ERRORS
+
+
 def _add_program_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("mapping", help="AOA statements: a .aoa file, or JSON (a list of "
                                         "statements or Paddle's aoa_config)")
@@ -147,6 +200,29 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="report errors and notes (exit 1 on errors)")
     _add_program_arguments(check)
     check.set_defaults(run=cmd_check)
+    convert = commands.add_parser("convert", help="convert a checkpoint through a mapping")
+    convert.add_argument("mapping", help="AOA statements (.aoa, or JSON)")
+    convert.add_argument("--source", required=True,
+                         help="source checkpoint: a safetensors file or folder (Hugging Face, "
+                              "or sharded with DCP_SHARDING_INFO)")
+    convert.add_argument("--output", required=True, help="destination folder (new or empty)")
+    where = convert.add_mutually_exclusive_group()
+    where.add_argument("--layout", help="destination mesh and rules (TOML); without it and "
+                                        "without --destination: full, unsharded tensors")
+    where.add_argument("--destination", help="destination shard info (JSON)")
+    convert.add_argument("--threads", type=int, help="copy threads (default: all CPUs)")
+    convert.add_argument("--dry-run", action="store_true",
+                         help="print what would be written and write nothing")
+    convert.add_argument("--max-file-size", type=float, default=5.0,
+                         help="GB per Hugging Face file (default 5)")
+    convert.add_argument("--reverse", action="store_true", help="run the program backwards")
+    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(run=cmd_convert)
+    demo = commands.add_parser("demo", help="convert a small built-in Llama-like checkpoint "
+                                            "and verify it against numpy")
+    demo.add_argument("--threads", type=int)
+    demo.add_argument("--keep", help="work in this folder and keep the files")
+    demo.set_defaults(run=cmd_demo)
     return parser
 
 

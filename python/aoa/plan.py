@@ -96,9 +96,12 @@ class Plan:
             grouped[c.destination].append(c)
         return grouped
 
+    def shard_bytes(self, index: int) -> int:
+        shard = self.destinations[index]
+        return prod(shard.local_shape) * itemsize(shard.dtype or "float32")
+
     def destination_bytes(self) -> int:
-        return sum(prod(d.local_shape) * itemsize(d.dtype or "float32")
-                   for d in self.destinations)
+        return sum(self.shard_bytes(i) for i in range(len(self.destinations)))
 
     # -- serialization -------------------------------------------------------------------
     def to_json(self) -> dict:
