@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from golden_support import compare, load
 
 from aoa.errors import AoaError
 from aoa.pipeline import analyze
-from golden_support import compare, load
 
 GOLDEN = Path(__file__).parent / "golden"
 PASS_CASES = sorted((GOLDEN / "passes").glob("*.aoa"))

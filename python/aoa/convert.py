@@ -99,8 +99,10 @@ def prepare(statements: str | Sequence[str], checkpoint: SourceCheckpoint, *,
     if layout is not None and destination is not None:
         raise UsageError("give a layout or a destination shard list, not both")
     ranks: list[list[ShardDesc]] | None = None
+    destination_info: Mapping | None = destination
     if layout is not None:
-        destination, ranks = layout.shards(derived_outputs(statements, source, reverse, file))
+        destination_info, ranks = layout.shards(derived_outputs(statements, source, reverse,
+                                                                file))
     elif destination is not None:
         ranks = []
         for shards in destination.values():
@@ -109,7 +111,7 @@ def prepare(statements: str | Sequence[str], checkpoint: SourceCheckpoint, *,
                     ranks.append([])
                 ranks[i].append(ShardDesc.from_json(shard) if isinstance(shard, Mapping)
                                 else shard)
-    compilation = analyze(statements, source, destination, reverse=reverse, file=file)
+    compilation = analyze(statements, source, destination_info, reverse=reverse, file=file)
     plan = compilation.plan()
     notes = [n.render() for n in compilation.ctx.notes]
     index_of: dict[int, int] = {id(shard): i for i, shard in enumerate(plan.destinations)}
@@ -122,10 +124,11 @@ def prepare(statements: str | Sequence[str], checkpoint: SourceCheckpoint, *,
                  for f in plan_hf_files(specs, max_file_bytes)]
         return Conversion(plan, files, False, notes)
     files = []
-    for rank_file, shards in zip(plan_rank_files(ranks), ranks):
+    names = [name for name, _ in plan_rank_files([[] for _ in ranks])]
+    for filename, shards in zip(names, ranks):
         indices = [index_of[id(s)] for s in shards] if layout is not None else [
             _find(plan, s) for s in shards]
-        files.append(OutputFile(rank_file.filename, indices,
+        files.append(OutputFile(filename, indices,
                                 sum(plan.shard_bytes(i) for i in indices)))
     return Conversion(plan, files, True, notes)
 

@@ -78,7 +78,8 @@ def expected_shards(hf: dict[str, np.ndarray], rank: int) -> dict[str, np.ndarra
         for g in range(KV_HEADS):  # [q heads of group g | k_g | v_g] for every group
             grouped += [q[:, (g * group + i) * HEAD_DIM:(g * group + i + 1) * HEAD_DIM]
                         for i in range(group)]
-            grouped += [k[:, g * HEAD_DIM:(g + 1) * HEAD_DIM], v[:, g * HEAD_DIM:(g + 1) * HEAD_DIM]]
+            head = slice(g * HEAD_DIM, (g + 1) * HEAD_DIM)
+            grouped += [k[:, head], v[:, head]]
         out[d + "self_attn.qkv_proj.weight"] = cols(np.concatenate(grouped, axis=1), TP)
         gate, up = hf[p + "mlp.gate_proj.weight"].T, hf[p + "mlp.up_proj.weight"].T
         out[d + "mlp.up_gate_proj.weight"] = np.concatenate([cols(gate, TP), cols(up, TP)], 1)

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from aoa.errors import UsageError
 from aoa.layout import ShardDesc
@@ -62,10 +63,10 @@ class MeshLayout:
         for key, (shape, dtype) in outputs.items():
             rule = self.rule_for(key)
             axes = rule.axes if rule else {}
-            for name, axis in axes.items():
+            for axis in axes.values():
                 if axis >= len(shape):
-                    raise UsageError(f"{self.source}: rule '{rule.match}' splits axis {axis} of "
-                                     f"'{key}', which has shape {list(shape)}")
+                    raise UsageError(f"{self.source}: rule '{rule.match if rule else ''}' splits "
+                                     f"axis {axis} of '{key}', which has shape {list(shape)}")
             per_axis: dict[int, int] = {}
             for name, axis in axes.items():
                 per_axis[axis] = per_axis.get(axis, 1) * self.mesh[name]

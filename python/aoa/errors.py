@@ -27,7 +27,7 @@ class AoaError(Exception):
         *,
         hint: str | None = None,
         expanded_from: Sequence[tuple[str, str]] = (),
-        related: Sequence[tuple[str, Span]] = (),
+        related: Sequence[tuple[str, Span | None]] = (),
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -45,9 +45,12 @@ class AoaError(Exception):
         if self.expanded_from:
             lines.append("  in a statement expanded from the one above:")
             lines += [f"    by {macro}: {text}" for macro, text in self.expanded_from]
-        for note, span in self.related:
-            lines.append(f"  {span.location()}: note: {note}")
-            lines += span.caret_lines()
+        for note, related_span in self.related:
+            if related_span is None:
+                lines.append(f"  note: {note}")
+                continue
+            lines.append(f"  {related_span.location()}: note: {note}")
+            lines += related_span.caret_lines()
         if self.hint:
             lines.append(f"  hint: {self.hint}")
         return "\n".join(lines)

@@ -46,11 +46,14 @@ class AOAEngine:
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
         planner = self.compilation.planner
-        target = normalize_shard_info({"_": [target]}, "query")["_"][0]
+        query = normalize_shard_info({"_": [target]}, "query")
+        assert query is not None
+        target = query["_"][0]
+        tensor = planner.tensor_for(target.key)
         entries = planner.answer(target)
-        if entries is None:
+        if entries is None or tensor is None:
             return []
-        planner.check(target, planner.tensor_for(target.key), entries)
+        planner.check(target, tensor, entries)
         result = []
         for entry in entries:
             source_shape = self.source[entry.source_key][0].global_shape

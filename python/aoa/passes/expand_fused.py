@@ -70,7 +70,9 @@ class _Fuser:
         """`X^T` on the left: a helper `X -> X_transpose_tmp, permute="[]"` per name."""
         if not any(n.text.endswith("^T") for n in statement.left):
             return [], statement
-        helpers, left, seen = [], [], {}
+        helpers: list[Statement] = []
+        left: list[Name] = []
+        seen: dict[str, Name] = {}
         permute = Attribute("permute", "[]", statement.span)
         for name in statement.left:
             if not name.text.endswith("^T"):
@@ -96,6 +98,11 @@ class _Fuser:
         if not isinstance(attribute.value, int):
             raise MacroError(f"{key} must be a number, not {attribute.value!r}", attribute.span)
         return attribute.value
+
+    @staticmethod
+    def _span_of_attribute(statement: Statement, key: str):
+        attribute = statement.attribute(key)
+        return attribute.span if attribute is not None else statement.span
 
     def _count(self, written: Statement, name: Name) -> int:
         left = any(n is name for n in written.left)
@@ -131,16 +138,16 @@ class _Fuser:
         for key, value in (("num_heads", heads), ("num_key_value_groups", groups)):
             if value <= 0:
                 raise MacroError(f"{key} must be positive (got {value})",
-                                 statement.attribute(key).span)
+                                 self._span_of_attribute(statement, key))
         if heads % groups:
             raise MacroError(f"num_heads ({heads}) must be divisible by num_key_value_groups "
-                             f"({groups})", statement.attribute("num_heads").span,
+                             f"({groups})", self._span_of_attribute(statement, "num_heads"),
                              hint="num_key_value_groups is the number of key/value heads.")
         return heads, groups
 
     # fused_ffn ---------------------------------------------------------------------------
     def fused_ffn(self, written: Statement, s: Statement, flag: Attribute, axis: int):
-        def layout(shards: int, pieces: int) -> list[str]:
+        def layout(shards: int, pieces: int) -> tuple[str, ...]:
             return _ffn_layout(shards, pieces)
 
         span = flag.span
@@ -180,7 +187,7 @@ class _Fuser:
                 if count % shards:
                     raise MacroError(
                         f"{what}={count} does not divide over the {shards} shards of "
-                        f"'{name.base}'", s.attribute(what).span,
+                        f"'{name.base}'", self._span_of_attribute(s, what),
                         hint="Each shard must hold whole query and key/value heads.")
             q, kv = heads // shards, groups // shards
             return [f"{QKV_OLD_PREFIX}{letter}_{r * n + i}" for r in range(shards)

@@ -213,8 +213,8 @@ class _Expander:
             if transposed:
                 suffix = suffix[:-2]
             regex = re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix))
-            matches = sorted(((int(m.group(1)), key) for key in keys.with_prefix(prefix)
-                              if (m := regex.fullmatch(key))))
+            matches = sorted((int(m.group(1)), key) for key in keys.with_prefix(prefix)
+                              if (m := regex.fullmatch(key)))
             if not matches:
                 raise MacroError(
                     f"'{name.text}' matches no {what} key", name.span,

@@ -45,7 +45,8 @@ def _parser() -> Lark:
 
 def _span(source: SourceText, first: Token, last: Token | None = None) -> Span:
     last = last or first
-    return Span(source, first.line, first.column, last.end_line, last.end_column)
+    return Span(source, int(first.line or 1), int(first.column or 1), int(last.end_line or 1),
+                int(last.end_column or 1))
 
 
 class _ToIR(Transformer):
@@ -108,11 +109,12 @@ class _ToIR(Transformer):
 
 
 def _syntax_error(source: SourceText, error: UnexpectedInput) -> AoaSyntaxError:
-    line, column = error.line, error.column
+    line, column = int(error.line or 1), int(error.column or 1)
     if isinstance(error, UnexpectedCharacters):
-        char = source.text[error.pos_in_stream]
+        position = int(error.pos_in_stream or 0)
+        char = source.text[position]
         span = Span(source, line, column, line, column + 1)
-        if char == "-" and source.text[error.pos_in_stream + 1:error.pos_in_stream + 2].isdigit():
+        if char == "-" and source.text[position + 1:position + 2].isdigit():
             return AoaSyntaxError("negative numbers are not part of AOA", span,
                                   hint="AOA has no negative axes; write the axis counted "
                                        "from 0 (the last axis of a 2-D tensor is axis=1).")

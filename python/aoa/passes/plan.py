@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from math import prod
 from typing import NamedTuple
 
+from aoa import slices
 from aoa.dtypes import CAST_TARGETS, is_exact_widening
 from aoa.errors import PlanError, ValidationError
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
 from aoa.passes.context import CompileContext
-from aoa import slices
 from aoa.passes.propagate_shapes import SymbolicState, Tensor
-from aoa.slices import Op, Permute
 from aoa.plan import Plan, PlannedCopy
+from aoa.slices import Op, Permute
 
 Box = tuple[int, ...]
 
@@ -92,15 +92,15 @@ class Planner:
                 f"destination {_describe(target)} has {len(lo)} dimensions, but the program "
                 f"makes it with {len(tensor.shape)} (shape {list(tensor.shape)})")
         if suffix in BETA_POW_SUFFIXES:
-            keys = [k for k in dict.fromkeys(tensor.keys[p.slot] for p in tensor.layout.pieces)
-                    if k not in self.state.removed]
-            if not keys:
+            found = [k for k in dict.fromkeys(tensor.keys[p.slot] for p in tensor.layout.pieces)
+                     if k not in self.state.removed]
+            if not found:
                 return []
-            if len(keys) > 1:
+            if len(found) > 1:
                 self.ctx.note(f"'{target.key}' comes from several parameters "
-                              f"({', '.join(keys)}); its accumulator is copied from "
-                              f"'{keys[0]}'")
-            slot = tensor.keys.index(keys[0])
+                              f"({', '.join(found)}); its accumulator is copied from "
+                              f"'{found[0]}'")
+            slot = tensor.keys.index(found[0])
             return [slices.Entry(slot, lo, hi, lo, hi, (), None)]
         entries = slices.intersect(tensor.layout, lo, hi)
         removed = self.state.removed

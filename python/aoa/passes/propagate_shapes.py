@@ -21,7 +21,6 @@ from aoa.passes.context import CompileContext
 from aoa.slices import Permute
 
 
-
 @dataclass(slots=True)
 class Tensor:
     """A symbolic tensor: a shared layout plus the source keys its slots stand for."""
@@ -71,7 +70,8 @@ def split(tensor: Tensor, axis: int, parts: int) -> list[Tensor]:
 
 
 def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
-    offsets, keys = [], ()
+    offsets: list[int] = []
+    keys: tuple[str, ...] = ()
     for tensor in tensors:
         offsets.append(len(keys))
         keys += tensor.keys
@@ -265,7 +265,7 @@ class _Machine:
 
     def permutation(self, attribute: Attribute, source: Tensor, statement) -> Permute:
         rank = len(source.shape)
-        text = attribute.value
+        text = str(attribute.value)
         if text == "[]":
             axes = tuple(range(rank - 1, -1, -1))
             return Permute(axes, str(list(axes)))

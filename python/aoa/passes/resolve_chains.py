@@ -124,6 +124,7 @@ class Chains:
         flow = self.flow
         executed = flow.position[id(statement)]
         reads = left != flow.reverse
+        info: dict | None
         if reads:
             read = next(n for n in flow.inputs[executed] if flow.node_name[n] == name)
             ends, info, what = flow.upstream(read), self.ctx.source, "source"

@@ -14,7 +14,6 @@ from aoa.dtypes import numpy_dtype
 from aoa.plan import Plan
 
 
-
 def _box(offset, shape):
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
