@@ -230,6 +230,17 @@ def test_scalar_chunks_and_empty_chunks(tmp_path: Path) -> None:
         assert checkpoint.shards["s"][0].global_shape == ()
         assert [s.local_shape for s in checkpoint.shards["e"]] == [(0, 3), (2, 3)]
     dcp_file(tmp_path / "b.safetensors", {"s": (np.array(2, np.float32), [])})
+    with open_source_checkpoint(tmp_path) as checkpoint:  # the same box twice: a replica
+        assert len(checkpoint.shards["s"]) == 1
+        assert checkpoint.shards["s"][0].file == tmp_path / "a.safetensors"
+
+
+def test_replicas_count_once_but_partial_overlaps_are_refused(tmp_path: Path) -> None:
+    for rank in range(2):  # both ranks saved the replicated tensor whole
+        dcp_file(tmp_path / f"{rank}.safetensors", {"w": (arange(2, 2), [0, 0])})
+    with open_source_checkpoint(tmp_path) as checkpoint:
+        assert [s.file.name for s in checkpoint.shards["w"]] == ["0.safetensors"]
+    dcp_file(tmp_path / "2.safetensors", {"w": (arange(1, 2), [1, 0])})
     assert "overlaps chunk" in storage_error(open_source_checkpoint, tmp_path)
 
 

@@ -243,8 +243,14 @@ def _key_shards(
         for path, info, offset in chunks
     ]
     shards.sort(key=lambda shard: shard.global_offset)
-    _check_tiling(key, shards)
-    return shards
+    # Replicas (every rank of a data- or tensor-parallel group saving a replicated tensor)
+    # are the same box stored twice: keep the first, check the rest for tiling.
+    first_of: dict[tuple, SourceShard] = {}
+    for shard in shards:
+        first_of.setdefault((shard.global_offset, shard.local_shape), shard)
+    distinct = list(first_of.values())
+    _check_tiling(key, distinct)
+    return distinct
 
 
 #: Above this many boundary-grid cells (irregular chunks), compare chunks pairwise instead.

@@ -1,0 +1,276 @@
+"""`aoa convert` end to end: generated checkpoints in both source formats, both destination
+formats, read back with the `safetensors` package and compared with numpy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from aoa.cli import main
+
+MAPPING = """\
+# rename, fuse gate/up, transpose, cast
+a.$LAYER_ID.gate^T, a.$LAYER_ID.up^T -> b.$LAYER_ID.up_gate, fused_ffn
+a.$LAYER_ID.norm -> b.$LAYER_ID.norm, dtype='float32'
+"""
+LAYOUT = """\
+[mesh]
+tp = 2
+
+[[rule]]
+match = "b.*.up_gate"
+tp = 1
+"""
+
+
+def tensors(seed=0):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for layer in range(2):
+        out[f"a.{layer}.gate"] = rng.standard_normal((8, 4), dtype=np.float32)
+        out[f"a.{layer}.up"] = rng.standard_normal((8, 4), dtype=np.float32)
+        out[f"a.{layer}.norm"] = rng.standard_normal(4).astype(ml_dtypes.bfloat16)
+    return out
+
+
+def expected_full(hf):
+    out = {}
+    for layer in range(2):
+        gate, up = hf[f"a.{layer}.gate"].T, hf[f"a.{layer}.up"].T
+        out[f"b.{layer}.up_gate"] = np.concatenate([gate, up], axis=1)
+        out[f"b.{layer}.norm"] = hf[f"a.{layer}.norm"].astype(np.float32)
+    return out
+
+
+def expected_rank(hf, rank):
+    out = {}
+    for layer in range(2):
+        gate, up = hf[f"a.{layer}.gate"].T, hf[f"a.{layer}.up"].T
+        half = slice(rank * 4, rank * 4 + 4)
+        out[f"b.{layer}.up_gate"] = np.concatenate([gate[:, half], up[:, half]], axis=1)
+        out[f"b.{layer}.norm"] = hf[f"a.{layer}.norm"].astype(np.float32)
+    return out
+
+
+def save(path: Path, arrays, metadata=None):
+    """safetensors' own writer; bfloat16 goes in as its bit pattern under a BF16 header."""
+    plain = {k: v for k, v in arrays.items() if v.dtype != ml_dtypes.bfloat16}
+    save_file(plain, str(path), metadata=metadata)
+    brain = {k: v for k, v in arrays.items() if v.dtype == ml_dtypes.bfloat16}
+    if brain:
+        _rewrite_with_bf16(path, arrays, metadata)
+
+
+def _rewrite_with_bf16(path, arrays, metadata):
+    header, data, offset = {}, [], 0
+    codes = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16"}
+    for name, array in arrays.items():
+        raw = np.ascontiguousarray(array).view(np.uint8).tobytes()
+        header[name] = {"dtype": codes[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        data.append(raw)
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(data))
+
+
+def read_back(path: Path):
+    """Tensors of a safetensors file through the `safetensors` package (bf16 as raw bits)."""
+    from safetensors import deserialize
+
+    out = {}
+    for name, info in deserialize(path.read_bytes()):
+        dtype = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[info["dtype"]]
+        out[name] = np.frombuffer(bytes(info["data"]), dtype=dtype).reshape(info["shape"])
+    return out
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    (tmp_path / "map.aoa").write_text(MAPPING)
+    (tmp_path / "tp2.toml").write_text(LAYOUT)
+    return tmp_path
+
+
+def hf_single(folder: Path, hf):
+    folder.mkdir()
+    save(folder / "model.safetensors", hf)
+
+
+def hf_index(folder: Path, hf):
+    folder.mkdir()
+    names = sorted(hf)
+    parts = {"model-00001-of-00002.safetensors": names[:3],
+             "model-00002-of-00002.safetensors": names[3:]}
+    weight_map = {}
+    for file, keys in parts.items():
+        save(folder / file, {k: hf[k] for k in keys})
+        weight_map |= dict.fromkeys(keys, file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": weight_map}))
+
+
+def dcp_sharded(folder: Path, hf):
+    """Each tensor split in two along axis 0 over two files, with DCP_SHARDING_INFO."""
+    folder.mkdir()
+    for rank in range(2):
+        chunk, info = {}, {}
+        for key, array in hf.items():
+            half = array.shape[0] // 2
+            chunk[key] = np.ascontiguousarray(array[rank * half:(rank + 1) * half])
+            info[key] = {"saved_offsets": [rank * half] + [0] * (array.ndim - 1)}
+        save(folder / f"shard-{rank}.safetensors", chunk,
+             {"DCP_SHARDING_INFO": json.dumps(info)})
+
+
+SOURCES = {"hf_single": hf_single, "hf_index": hf_index, "dcp_sharded": dcp_sharded}
+
+
+@pytest.mark.parametrize("source_format", sorted(SOURCES))
+def test_convert_to_full_hf(workspace, source_format):
+    hf = tensors()
+    SOURCES[source_format](workspace / "src", hf)
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--quiet"]) == 0
+    got = read_back(workspace / "out" / "model.safetensors")
+    want = expected_full(hf)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype
+        assert got[key].tobytes() == want[key].tobytes(), key
+
+
+@pytest.mark.parametrize("source_format", sorted(SOURCES))
+def test_convert_to_tensor_parallel_ranks(workspace, source_format):
+    hf = tensors()
+    SOURCES[source_format](workspace / "src", hf)
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--layout", str(workspace / "tp2.toml"),
+                 "--quiet", "--threads", "2"]) == 0
+    for rank in range(2):
+        path = workspace / "out" / f"rank-{rank:05d}-of-00002.safetensors"
+        got = read_back(path)
+        want = expected_rank(hf, rank)
+        assert set(got) == set(want)
+        for key in want:
+            assert got[key].tobytes() == want[key].tobytes(), (rank, key)
+        from safetensors import safe_open
+
+        with safe_open(str(path), "np") as f:
+            info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+        assert info["b.0.up_gate"]["saved_offsets"] == [0, 8 * rank]
+
+
+def test_split_output_files_with_index(workspace):
+    hf = tensors()
+    hf_single(workspace / "src", hf)
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--quiet",
+                 "--max-file-size", "0.0000002"]) == 0
+    index = json.loads((workspace / "out" / "model.safetensors.index.json").read_text())
+    want = expected_full(hf)
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in want.values())
+    for key, file in index["weight_map"].items():
+        assert read_back(workspace / "out" / file)[key].tobytes() == want[key].tobytes()
+    assert load_file(str(workspace / "out" / index["weight_map"]["b.0.up_gate"]))
+
+
+def test_round_trip_sharded_output_reads_back_as_source(workspace):
+    hf = tensors()
+    hf_single(workspace / "src", hf)
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "tp2"), "--layout", str(workspace / "tp2.toml"),
+                 "--quiet"]) == 0
+    (workspace / "same.aoa").write_text("")
+    assert main(["convert", str(workspace / "same.aoa"), "--source", str(workspace / "tp2"),
+                 "--output", str(workspace / "full"), "--quiet"]) == 0
+    got = read_back(workspace / "full" / "model.safetensors")
+    # Resharding alone (no statements) gathers the rank-local layout back into one tensor.
+    for key in ("b.0.up_gate", "b.1.norm"):
+        whole = np.concatenate([expected_rank(hf, r)[key] for r in range(2)], axis=-1) \
+            if key.endswith("up_gate") else expected_full(hf)[key]
+        assert got[key].tobytes() == whole.tobytes()
+
+
+def test_dry_run_writes_nothing(workspace, capsys):
+    hf_single(workspace / "src", tensors())
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--layout", str(workspace / "tp2.toml"),
+                 "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "rank-00000-of-00002.safetensors" in printed
+    assert "b.0.up_gate  float32  [4, 8] at [0, 0] of [4, 16]" in printed
+    assert not (workspace / "out").exists()
+
+
+def no_partial_files(folder: Path) -> bool:
+    return not folder.exists() or not any(folder.iterdir())
+
+
+def test_unknown_key_in_mapping_is_an_error(workspace, capsys):
+    hf_single(workspace / "src", tensors())
+    (workspace / "bad.aoa").write_text("a.0.gate -> x\nmissing.key -> y\n")
+    assert main(["convert", str(workspace / "bad.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "bad.aoa:2:1: error: 'missing.key' is neither a source key nor assigned before" in err
+    assert no_partial_files(workspace / "out")
+
+
+def test_missing_shard_file_is_an_error(workspace, capsys):
+    hf_index(workspace / "src", tensors())
+    (workspace / "src" / "model-00002-of-00002.safetensors").unlink()
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--quiet"]) == 1
+    assert "model-00002-of-00002.safetensors" in capsys.readouterr().err
+    assert no_partial_files(workspace / "out")
+
+
+def test_truncated_source_is_an_error(workspace, capsys):
+    hf_single(workspace / "src", tensors())
+    path = workspace / "src" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--quiet"]) == 1
+    assert "model.safetensors" in capsys.readouterr().err
+    assert no_partial_files(workspace / "out")
+
+
+def test_output_folder_that_cannot_be_made(workspace, capsys):
+    hf_single(workspace / "src", tensors())
+    (workspace / "a_file").write_text("not a folder")
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "a_file" / "out"), "--quiet"]) == 1
+    assert "a_file" in capsys.readouterr().err
+
+
+def test_output_folder_with_a_checkpoint_is_refused(workspace, capsys):
+    hf_single(workspace / "src", tensors())
+    args = ["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+            "--output", str(workspace / "out"), "--quiet"]
+    assert main(args) == 0
+    assert main(args) == 1
+    assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+def test_failure_during_copies_leaves_no_files(workspace, monkeypatch):
+    hf_single(workspace / "src", tensors())
+    from aoa.runtime import executor
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(executor, "_run", broken)
+    with pytest.raises(RuntimeError):
+        main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+              "--output", str(workspace / "out"), "--layout", str(workspace / "tp2.toml"),
+              "--quiet"])
+    assert no_partial_files(workspace / "out")
