@@ -1,0 +1,80 @@
+"""`aoa compile | explain | check`: outputs and exit codes (0 ok, 1 errors, 2 bad usage)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aoa import Plan
+from aoa.cli import main
+
+
+@pytest.fixture
+def files(tmp_path):
+    source = {"w": [{"key": "w", "local_shape": [2, 4], "global_shape": [4, 4],
+                     "global_offset": [2 * i, 0], "dtype": "float32"} for i in range(2)],
+              "unused": [{"key": "unused", "local_shape": [1], "global_shape": [1],
+                          "global_offset": [0], "dtype": "float32"}]}
+    destination = {"v": [{"key": "v", "local_shape": [4, 4], "global_shape": [4, 4],
+                          "global_offset": [0, 0], "dtype": "float32"}]}
+    (tmp_path / "src.json").write_text(json.dumps(source))
+    (tmp_path / "dst.json").write_text(json.dumps(destination))
+    (tmp_path / "ok.aoa").write_text("# transpose\nw^T -> v\n")
+    (tmp_path / "bad.aoa").write_text("w^T -> v\nzz -> q\n")
+    return tmp_path
+
+
+def run(files, *args):
+    return main([args[0], str(files / args[1]), "--source", str(files / "src.json"),
+                 *args[2:]])
+
+
+def test_check_ok_prints_notes(files, capsys):
+    assert run(files, "check", "ok.aoa", "--destination", str(files / "dst.json")) == 0
+    out = capsys.readouterr().out
+    assert "note: 1 source keys are used by nothing: 'unused'" in out
+    assert out.rstrip().endswith("ok: 2 statements after expansion, 1 notes")
+
+
+def test_check_error_exit_1_with_caret(files, capsys):
+    assert run(files, "check", "bad.aoa") == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[:3] == [
+        f"{files / 'bad.aoa'}:2:1: error: 'zz' is neither a source key nor assigned before",
+        "    zz -> q",
+        "    ^^",
+    ]
+
+
+def test_bad_usage_exit_2(files, capsys):
+    assert main(["check"]) == 2
+    assert main(["check", str(files / "ok.aoa"), "--source", str(files / "nope.json")]) == 2
+    assert "cannot read source shard info" in capsys.readouterr().err
+
+
+def test_compile_writes_a_plan_that_loads_back(files):
+    out = files / "plan.json"
+    assert run(files, "compile", "ok.aoa", "--destination", str(files / "dst.json"),
+               "-o", str(out)) == 0
+    plan = Plan.loads(out.read_text())
+    assert [d.key for d in plan.destinations] == ["v"]
+    assert {(c.source_start, c.shape, c.order) for c in plan.copies} == {
+        ((0, 0), (4, 2), (1, 0)), ((0, 0), (4, 2), (1, 0))}
+    assert sorted(c.destination_start for c in plan.copies) == [(0, 0), (0, 2)]
+
+
+def test_explain_shows_origins_and_pieces(files, capsys):
+    assert run(files, "explain", "ok.aoa", "--destination", str(files / "dst.json"),
+               "--plan") == 0
+    out = capsys.readouterr().out
+    assert f"w -> w_transpose_tmp, permute='[]'  [{files / 'ok.aoa'}:2:1 via transpose]" in out
+    assert "v: shape [4, 4], source dtype float32" in out
+    assert "    [0:4, 0:4] <- w[0:4, 0:4]  ([1, 0])" in out
+    assert "    [0:4, 0:2] <- w[0:2, 0:4]  (permute [1, 0])" in out
+
+
+def test_mapping_as_paddle_config_json(files, capsys):
+    (files / "config.json").write_text(json.dumps(
+        {"aoa_statements": ["w^T -> v"], "aoa_config_reverse": False}))
+    assert run(files, "check", "config.json", "--destination", str(files / "dst.json")) == 0
