@@ -153,12 +153,13 @@ def execute(conversion: Conversion, checkpoint: SourceCheckpoint, output: str | 
     buffers = {(s.key, s.global_offset): s for shards in checkpoint.shards.values()
                for s in shards}
 
-    def source_buffer(index: int):
+    def stored(index: int):
         shard = plan.sources[index]
-        return checkpoint.buffer(buffers[(shard.key, shard.global_offset)])
+        return buffers[(shard.key, shard.global_offset)]
 
-    executor = PlanExecutor(plan, source_buffer, backend=backend, threads=threads,
-                            progress=progress)
+    executor = PlanExecutor(plan, lambda i: checkpoint.buffer(stored(i)), backend=backend,
+                            threads=threads, progress=progress,
+                            release=lambda i: checkpoint.release(stored(i)))
     chosen = conversion.files if files is None else list(files)
     start = time.perf_counter()
     output = Path(output)

@@ -32,11 +32,13 @@ class PlanExecutor:
     """Fills destination shards of ``plan`` from source buffers.
 
     ``source_buffer(i)`` returns the buffer of ``plan.sources[i]`` (C order, its dtype);
-    it is asked once per source shard, when a copy first needs it."""
+    it is asked once per source shard, when a copy first needs it. ``release(i)``, if
+    given, is told after each fill which source shards it read (to drop their pages)."""
 
     def __init__(self, plan: Plan, source_buffer: Callable[[int], Buffer], *,
                  backend: str = "cpp", threads: int | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None,
+                 release: Callable[[int], None] | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (choose from {BACKENDS})")
         self.plan = plan
@@ -44,6 +46,7 @@ class PlanExecutor:
         self.threads = threads
         self.progress = progress
         self._source_buffer = source_buffer
+        self._release = release
         self._sources: dict[int, Buffer] = {}
         self._by_destination = plan.copies_by_destination()
 
@@ -63,6 +66,9 @@ class PlanExecutor:
                                       destination=local[c.destination])
                   for c in self.plan.kernel_copies(planned)]
         _run(self.backend, copies, sources, buffers, self.threads)
+        if self._release is not None:
+            for index in used:
+                self._release(index)
         if self.progress is not None:
             self.progress(sum(self.plan.shard_bytes(i) for i in destinations))
 

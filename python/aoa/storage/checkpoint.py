@@ -76,6 +76,10 @@ class SourceCheckpoint:
         """The shard's bytes, read-only, straight from the file's mapping."""
         return self._files[shard.file].buffer(shard.key)
 
+    def release(self, shard: SourceShard) -> None:
+        """Drop the shard's pages from memory once read (see SafetensorsFile.release)."""
+        self._files[shard.file].release(shard.key)
+
     def close(self) -> None:
         for file in self._files.values():
             file.close()

@@ -114,6 +114,16 @@ class SafetensorsFile:
         info = self._info(name)
         return np.frombuffer(self.buffer(name), dtype=numpy_dtype(info.dtype)).reshape(info.shape)
 
+    def release(self, name: str) -> None:
+        """Drop tensor ``name``'s pages from this process's memory (they stay in the page
+        cache, and come back on the next read): keeps a long conversion's resident size
+        near what it is writing, not everything it has read."""
+        info = self._info(name)
+        if self._mapping is None or not info.nbytes or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        self._mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+
     def close(self) -> None:
         """Unmap the file. Views still held elsewhere keep the mapping alive until they go."""
         if self._mapping is not None:
