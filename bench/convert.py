@@ -163,9 +163,9 @@ def main() -> None:
     shutil.rmtree(work / "out-aoa")
     # Peak RSS of a fresh process running the CLI (VmHWM of its own image: a forked child's
     # getrusage would count this process's buffers too).
-    child = (f"import sys; from aoa.cli import main; main(sys.argv[1:]); "
-             f"print(next(l.split()[1] for l in open('/proc/self/status') "
-             f"if l.startswith('VmHWM')))")
+    child = ("import sys; from aoa.cli import main; main(sys.argv[1:]); "
+             "print(next(l.split()[1] for l in open('/proc/self/status') "
+             "if l.startswith('VmHWM')))")
     command = [sys.executable, "-c", child, "convert", str(work / "map.aoa"), "--source",
                str(source), "--output", str(work / "out-aoa"), "--quiet", "--layout",
                str(demo.data_file("llama_tp2.toml"))]
