@@ -54,15 +54,13 @@ class Layout:
         return f"Layout({list(self.shape)}, {len(self.pieces)} pieces)"
 
 
-_WHOLE: dict[tuple[int, ...], Layout] = {}
-
-
-def whole(shape: tuple[int, ...]) -> Layout:
-    """The layout of a source tensor: one piece covering everything (shared per shape)."""
-    layout = _WHOLE.get(shape)
+def whole(shape: tuple[int, ...], shared: dict[tuple[int, ...], Layout]) -> Layout:
+    """The layout of a source tensor: one piece covering everything, one per shape in
+    ``shared`` (a compilation's own, so memos do not outlive it)."""
+    layout = shared.get(shape)
     if layout is None:
         zeros = (0,) * len(shape)
-        layout = _WHOLE[shape] = Layout(shape, (Piece(0, zeros, shape, zeros, shape, (), None),))
+        layout = shared[shape] = Layout(shape, (Piece(0, zeros, shape, zeros, shape, (), None),))
     return layout
 
 

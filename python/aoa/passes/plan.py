@@ -42,6 +42,19 @@ class Entry(NamedTuple):
         return [op.text if isinstance(op, Permute) else op for op in self.ops]
 
 
+class _Recipe(NamedTuple):
+    """One copy of a destination shard, with its source named by the position of the read
+    (which source key) and of the shard among that key's distinct shards."""
+
+    entry: int
+    shard: int
+    destination_start: Box
+    shape: Box
+    source_start: Box
+    order: tuple[int, ...] | None
+    casts: tuple[str, ...]
+
+
 class _Physical(NamedTuple):
     """One read of an entry from one source shard, relative to the entry's boxes."""
 
@@ -72,6 +85,11 @@ class Planner:
         self._signatures: dict[str, tuple] = {}
         self._physical_memo: dict[tuple, list[_Physical]] = {}
         self._cast_memo: dict[tuple, tuple[str, ...]] = {}
+        self._signature_of: dict[str, int] = {}
+        #: (layout, destination box and dtype, source signatures) -> copies; the layouts
+        #: stay alive with the outputs that hold them, so their ids stay unique
+        self._recipe_memo: dict[tuple, list[_Recipe]] = {}
+        self._signature_ids: dict[tuple, int] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -241,6 +259,7 @@ class Planner:
         source_index: dict[tuple[str, Box], int] = {}
         copies: list[PlannedCopy] = []
         untouched: list[int] = []
+        removed = self.state.removed
         for index, target in enumerate(destinations):
             tensor = self.tensor_for(target.key)
             if tensor is None:
@@ -249,47 +268,58 @@ class Planner:
             suffix = split_optimizer_suffix(target.key)[1]
             entries = self._raw_entries(target, tensor, suffix)
             keys = tensor.keys
-            reads = [(keys[e.slot] + suffix if suffix else keys[e.slot], e) for e in entries]
-            self._check_fast(target, tensor, entries, reads)
-            offset = target.global_offset
-            for source_key, e in reads:
-                shards = self.source_shards(source_key)
-                casts = self._casts(e.ops, shards[0].dtype, target.dtype)
-                for physical in self._physical(e, source_key, shards):
-                    shard = shards[physical.shard]
-                    where = (source_key, shard.global_offset)
-                    s = source_index.get(where)
-                    if s is None:
-                        s = source_index[where] = len(sources)
-                        sources.append(shard)
-                    copies.append(PlannedCopy(
-                        index, tuple(t + d - o for t, d, o in
-                                     zip(e.target_lo, physical.target_delta, offset)),
-                        physical.shape, s, physical.source_start, e.order, casts))
+            read_keys = [keys[e.slot] + suffix if suffix else keys[e.slot] for e in entries]
+            signature = tuple(map(self._signature, read_keys))
+            memo_key = (id(tensor.layout), target.global_offset, target.local_shape,
+                        target.global_shape, target.dtype, suffix, signature)
+            recipes = None if removed else self._recipe_memo.get(memo_key)
+            if recipes is None:
+                recipes = self._recipes(target, tensor, entries, read_keys)
+                if not removed:
+                    self._recipe_memo[memo_key] = recipes
+            for r in recipes:
+                source_key = read_keys[r.entry]
+                shard = self._source_shards[source_key][r.shard]
+                where = (source_key, shard.global_offset)
+                s = source_index.get(where)
+                if s is None:
+                    s = source_index[where] = len(sources)
+                    sources.append(shard)
+                copies.append(PlannedCopy(index, r.destination_start, r.shape, s,
+                                          r.source_start, r.order, r.casts))
         if targets is None:
             self._note_unused_sources({shard.key for shard in sources})
         notes = [note.render() for note in self.ctx.notes]
         return Plan(sources, destinations, copies, notes, untouched)
 
-    def _check_fast(self, target, tensor, entries, reads) -> None:
-        """`_check`, with the geometry remembered per layout and box (it repeats)."""
-        key = ("checked", target.global_offset, target.local_shape, target.global_shape,
-               target.dtype, len(entries))
-        memo = tensor.layout.memo
-        dtypes = tuple(self._source_dtype(k) for k, _ in reads)
-        if memo.get(key) == dtypes and not self.state.removed:
-            for source_key, _ in reads:
-                if source_key not in self.ctx.source:
-                    break
-            else:
-                return
-        self._check(target, tensor, [(k, e.ops) for k, e in reads],
-                    [(e.target_lo, e.target_hi, k) for k, e in reads])
-        memo[key] = dtypes
+    def _signature(self, key: str) -> int | None:
+        """A small number standing for the key's shard layout and dtype (None: no such key).
 
-    def _source_dtype(self, key: str) -> str | None:
-        shards = self.ctx.source.get(key)
-        return shards[0].dtype if shards else None
+        Destination shards whose sources have equal signatures get equal copies."""
+        signature = self._signature_of.get(key)
+        if signature is None and key in self.ctx.source:
+            shards = self.source_shards(key)
+            layout = (self._signatures[key], shards[0].dtype)
+            signature = self._signature_of[key] = self._signature_ids.setdefault(
+                layout, len(self._signature_ids))
+        return signature
+
+    def _recipes(self, target: ShardDesc, tensor: Tensor, entries, read_keys) -> list[_Recipe]:
+        """Validate one destination shard and work out its copies."""
+        self._check(target, tensor, [(k, e.ops) for k, e in zip(read_keys, entries)],
+                    [(e.target_lo, e.target_hi, k) for k, e in zip(read_keys, entries)])
+        offset = target.global_offset
+        recipes = []
+        for position, (source_key, e) in enumerate(zip(read_keys, entries)):
+            shards = self.source_shards(source_key)
+            casts = self._casts(e.ops, shards[0].dtype, target.dtype)
+            for physical in self._physical(e, source_key, shards):
+                recipes.append(_Recipe(
+                    position, physical.shard,
+                    tuple(t + d - o for t, d, o in zip(e.target_lo, physical.target_delta,
+                                                       offset)),
+                    physical.shape, physical.source_start, e.order, casts))
+        return recipes
 
     def _casts(self, ops, source_dtype, destination_dtype) -> tuple[str, ...]:
         if not ops:

@@ -98,6 +98,7 @@ def identity(tensor: Tensor) -> Tensor:
 def input_tensors(ctx: CompileContext) -> dict[str, Tensor]:
     """One tensor per model-state key of the source (spec 6.1, quirk Q15 included)."""
     inputs: dict[str, Tensor] = {}
+    layouts: dict[tuple[int, ...], slices.Layout] = {}
     dtype = None
     for key in sorted(ctx.source):
         shards = ctx.source[key]
@@ -107,7 +108,7 @@ def input_tensors(ctx: CompileContext) -> dict[str, Tensor]:
             dtype = shards[0].dtype
         if model_key in inputs or suffix in BETA_POW_SUFFIXES:
             continue
-        inputs[model_key] = Tensor(slices.whole(shape), (model_key,), dtype, name=model_key)
+        inputs[model_key] = Tensor(slices.whole(shape, layouts), (model_key,), dtype, name=model_key)
     return inputs
 
 
