@@ -140,16 +140,35 @@ def test_large_permuted_copies_match_across_threads(data, threads):
     source_dtype, destination_dtype, via = data.draw(casts())
     permutation = data.draw(st.permutations(range(ndim)))
     source_shape = tuple(shape[k] for k in permutation)
-    contiguous = np.cumprod((1, *source_shape[:0:-1]))[::-1] * itemsize(source_dtype)
-    source_strides = [0] * ndim
-    for position, axis in enumerate(permutation):
-        source_strides[axis] = int(contiguous[position])
+    contiguous = _contiguous_strides(source_shape, itemsize(source_dtype))
+    source_strides = dict(zip(permutation, contiguous, strict=True))
     elements = int(np.prod(shape))
-    destination_strides = np.cumprod((1, *shape[:0:-1]))[::-1] * itemsize(destination_dtype)
-    copy = Copy(0, 0, tuple(source_strides), 0, 0, tuple(int(s) for s in destination_strides),
+    copy = Copy(0, 0, tuple(source_strides[k] for k in range(ndim)), 0, 0,
+                _contiguous_strides(shape, itemsize(destination_dtype)),
                 shape, source_dtype, destination_dtype, via)
     sources = [random_bytes(1, elements * itemsize(source_dtype), source_dtype)]
     run_both([copy], sources, [bytes(elements * itemsize(destination_dtype))], threads=threads)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "uint8"])
+@pytest.mark.parametrize(
+    ("shape", "permutation"),
+    [((67, 131), (1, 0)), ((600, 513), (1, 0)), ((5, 70, 33), (2, 0, 1)), ((9, 8, 130), (2, 1, 0))],
+)
+def test_transposes_match_the_reference(dtype, shape, permutation):
+    # Exact transposes go through whole SSE2 blocks; edges through rows.
+    item = itemsize(dtype)
+    source_shape = tuple(shape[k] for k in permutation)
+    source_strides = dict(zip(permutation, _contiguous_strides(source_shape, item), strict=True))
+    copy = Copy(0, 0, tuple(source_strides[k] for k in range(len(shape))), 0, 0,
+                _contiguous_strides(shape, item), shape, dtype, dtype)
+    size = int(np.prod(shape)) * item
+    for threads in (1, 3):
+        run_both([copy], [random_bytes(6, size, dtype)], [bytes(size)], threads=threads)
+
+
+def _contiguous_strides(shape, item):
+    return tuple(int(s) for s in np.cumprod((1, *shape[:0:-1]))[::-1] * item)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
