@@ -109,8 +109,11 @@ class _Fuser:
         return self.chains.shard_count(written, name.base, left=left)
 
     def _make(self, parent: Statement, macro: str, left, right, axis: int, span) -> Statement:
-        return parent.derive(macro, self._names(left, span), self._names(right, span),
-                             (self._axis(axis, span),))
+        """A split or concat of pieces; with one piece on each side, a plain rename (not
+        Paddle's alias, which would hide the name the user wrote from derived outputs)."""
+        left, right = self._names(left, span), self._names(right, span)
+        attributes = (self._axis(axis, span),) if len(left) > 1 or len(right) > 1 else ()
+        return parent.derive(macro, left, right, attributes)
 
     def _names(self, names, span) -> tuple[Name, ...]:
         """Names for generated pieces, shared across statements (they repeat per layer)."""
