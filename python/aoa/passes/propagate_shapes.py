@@ -108,7 +108,8 @@ def input_tensors(ctx: CompileContext) -> dict[str, Tensor]:
             dtype = shards[0].dtype
         if model_key in inputs or suffix in BETA_POW_SUFFIXES:
             continue
-        inputs[model_key] = Tensor(slices.whole(shape, layouts), (model_key,), dtype, name=model_key)
+        inputs[model_key] = Tensor(slices.whole(shape, layouts), (model_key,), dtype,
+                                   name=model_key)
     return inputs
 
 
