@@ -13,11 +13,12 @@ from aoa.errors import (
     ValidationError,
 )
 from aoa.layout import ShardDesc
+from aoa.load import Shard, load
 from aoa.pipeline import compile
 from aoa.plan import Plan, PlannedCopy
 
 __all__ = [
     "AoaError", "AoaSyntaxError", "ChainError", "ExecutionError", "MacroError", "Plan",
-    "PlanError", "PlannedCopy", "ShapeError", "ShardDesc", "StorageError", "UsageError",
-    "ValidationError", "compile",
+    "PlanError", "PlannedCopy", "ShapeError", "Shard", "ShardDesc", "StorageError", "UsageError",
+    "ValidationError", "compile", "load",
 ]

@@ -125,6 +125,7 @@ def cmd_check(args) -> int:
 def cmd_convert(args) -> int:
     from aoa.convert import check_output_folder, execute, prepare
     from aoa.destination_layout import read_layout
+    from aoa.distributed import rank_share
     from aoa.storage.checkpoint import open_source_checkpoint
 
     statements, reverse, file = read_mapping(args.mapping)
@@ -139,12 +140,24 @@ def cmd_convert(args) -> int:
         if args.dry_run:
             print(conversion.describe())
             return EXIT_OK
-        check_output_folder(Path(args.output))
-        with _progress(conversion.nbytes, args.quiet) as advance:
-            execute(conversion, checkpoint, args.output, threads=args.threads,
-                    progress=advance, check_output=False)
-    rate = conversion.nbytes / conversion.seconds / 1e9 if conversion.seconds else 0.0
-    print(f"wrote {len(conversion.files)} files ({conversion.nbytes / 1e9:.3f} GB) to "
+        share = rank_share(args.rank, args.world_size)  # None: this process writes all
+        files = conversion.files if share is None else share.files(conversion)
+        nbytes = sum(f.nbytes for f in files)
+        try:
+            if share is None:
+                check_output_folder(Path(args.output))
+            with _progress(nbytes, args.quiet) as advance:
+                if share is None:
+                    execute(conversion, checkpoint, args.output, threads=args.threads,
+                            progress=advance, check_output=False)
+                else:
+                    share.execute(conversion, checkpoint, args.output, threads=args.threads,
+                                  progress=advance)
+        finally:
+            if share is not None:
+                share.close()
+    rate = nbytes / conversion.seconds / 1e9 if conversion.seconds else 0.0
+    print(f"wrote {len(files)} files ({nbytes / 1e9:.3f} GB) to "
           f"{args.output} in {conversion.seconds:.2f} s, {rate:.2f} GB/s")
     return EXIT_OK
 
@@ -217,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="GB per Hugging Face file (default 5)")
     convert.add_argument("--reverse", action="store_true", help="run the program backwards")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.add_argument("--rank", type=int, help="with --world-size: this process writes "
+                         "its share of the files, rank 0 the index once all are done (under "
+                         "torchrun both come from its environment)")
+    convert.add_argument("--world-size", type=int, help="how many processes share the work")
     convert.set_defaults(run=cmd_convert)
     demo = commands.add_parser("demo", help="convert a small built-in Llama-like checkpoint "
                                             "and verify it against numpy")

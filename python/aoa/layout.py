@@ -3,6 +3,7 @@ suffixes that let optimizer tensors follow their parameter (spec 1.1, 1.2)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -55,6 +56,7 @@ class ShardDesc:
 ShardInfo = Mapping[str, Sequence[ShardDesc]]
 
 
+@functools.lru_cache(maxsize=1 << 20)
 def split_optimizer_suffix(key: str) -> tuple[str, str | None]:
     """(model-state key, suffix) for the first suffix in Paddle's order that ``key`` ends with."""
     for suffix in OPTIMIZER_SUFFIXES:

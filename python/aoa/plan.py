@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from math import prod
 
 from aoa.dtypes import itemsize
@@ -18,8 +19,7 @@ from aoa.runtime.copies import Copy
 FORMAT = "aoa-plan/1"
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedCopy:
+class PlannedCopy(NamedTuple):
     """``destinations[destination][destination_start : +shape] =
     cast(transpose(sources[source][source_start : +source_shape], order))``.
 
@@ -34,6 +34,7 @@ class PlannedCopy:
     source_start: tuple[int, ...]
     order: tuple[int, ...] | None = None
     casts: tuple[str, ...] = ()
+    # A NamedTuple, not a dataclass: plans of big models hold hundreds of thousands.
 
     @property
     def source_shape(self) -> tuple[int, ...]:
