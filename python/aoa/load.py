@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 
 from aoa.errors import AoaError, UsageError, ValidationError
@@ -87,6 +88,7 @@ def load(mapping: str | os.PathLike[str] | Sequence[str],
     Raises ValidationError naming the key when buffers and mapping disagree."""
     statements, file_reverse, file = _read_statements(mapping)
     reverse = reverse or file_reverse
+    given = destination
     world = _world(distributed, group) if destination is None else None
     error: AoaError | None = None
     targets: list[_Target] = []
@@ -107,6 +109,8 @@ def load(mapping: str | os.PathLike[str] | Sequence[str],
     else:
         destination, positions = _merge([local])
         own = positions[0]
+    if given is None:
+        _check_coverage(destination, world is not None)
     checkpoint, opened = _open(source)
     try:
         start = time.perf_counter()
@@ -186,6 +190,22 @@ def _merge(ranks: Sequence[Sequence[ShardDesc]]
             listed.append(shard)
         positions.append(mine)
     return merged, positions
+
+
+def _check_coverage(destination: Mapping[str, Sequence[ShardDesc]], ranks: bool) -> None:
+    """The buffers of each key, together, cover its global tensor: the destination layout
+    is all of them, and its shard counts decide fused layouts (fused_qkv, fused_ffn)."""
+    for key, shards in destination.items():
+        boxes = {(s.global_offset, s.local_shape) for s in shards}  # replicas count once
+        covered = sum(prod(shape) for _, shape in boxes)
+        total = prod(shards[0].global_shape)
+        if covered < total:
+            where = "all ranks' buffers" if ranks else "the buffers"
+            raise ValidationError(
+                f"{where} for '{key}' cover {covered} of the {total} elements of its global "
+                f"shape {list(shards[0].global_shape)}",
+                hint="Give the whole destination layout with destination= (every rank's "
+                     "shards), or load under torch.distributed, where all ranks' shards count.")
 
 
 def _find_own(destination: Mapping[str, Sequence[ShardDesc]], local: Sequence[ShardDesc]

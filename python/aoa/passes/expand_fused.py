@@ -119,20 +119,21 @@ class _Fuser:
         """Names for generated pieces, shared across statements (they repeat per layer)."""
         result = []
         cache = self._name_cache
+        where = id(span)  # spans live as long as the program: their ids are stable keys
         for name in names:
             if isinstance(name, Name):
                 result.append(name)
                 continue
-            made = cache.get((name, span))
+            made = cache.get((name, where))
             if made is None:
-                made = cache[(name, span)] = Name(name, span)
+                made = cache[(name, where)] = Name(name, span)
             result.append(made)
         return tuple(result)
 
     def _axis(self, axis: int, span) -> Attribute:
-        made = self._name_cache.get((axis, span))
+        made = self._name_cache.get((axis, id(span)))
         if made is None:
-            made = self._name_cache[(axis, span)] = Attribute("axis", axis, span)
+            made = self._name_cache[(axis, id(span))] = Attribute("axis", axis, span)
         return made
 
     def _heads(self, statement: Statement, flag: Attribute) -> tuple[int, int]:

@@ -208,10 +208,10 @@ class _Machine:
 
     def check_concat(self, statement, names, tensors, axis) -> None:
         first = tensors[0]
+        expected = first.shape[:axis] + first.shape[axis + 1:]
         for name, tensor in zip(names[1:], tensors[1:]):
-            if len(tensor.shape) != len(first.shape) or any(
-                    a != b for i, (a, b) in enumerate(zip(tensor.shape, first.shape))
-                    if i != axis):
+            shape = tensor.shape
+            if shape[:axis] + shape[axis + 1:] != expected or len(shape) != len(first.shape):
                 raise _error(ValidationError, f"cannot concatenate '{name.text}' of shape "
                              f"{list(tensor.shape)} with '{names[0].text}' of shape "
                              f"{list(first.shape)} along axis {axis}", name.span, statement,
