@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
+from typing import Any
 
 from aoa.errors import AoaError, UsageError, ValidationError
 from aoa.layout import ShardDesc, split_optimizer_suffix
@@ -379,7 +380,8 @@ class _progress_bar:
     """Bytes filled, on stderr, when asked for and stderr is a terminal."""
 
     def __init__(self, total: int, show: bool) -> None:
-        self.total, self.show, self.bar = total, show, None
+        self.total, self.show = total, show
+        self.bar: Any = None
 
     def __enter__(self) -> Callable[[int], None] | None:
         if not self.show or not self.total:

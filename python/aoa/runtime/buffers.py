@@ -192,7 +192,7 @@ def _from_cuda_array_interface(buffer, what: str) -> DeviceBuffer:
 
 
 def _from_dlpack(buffer, what: str) -> Adapted:
-    device_type, device_id = buffer.__dlpack_device__()
+    device_type, _ = buffer.__dlpack_device__()
     if device_type == 1:  # kDLCPU
         try:
             array = np.from_dlpack(buffer)

@@ -1,0 +1,327 @@
+"""aoa.load: a checkpoint through a mapping into numpy arrays, torch tensors and plain
+buffers, checked byte for byte against numpy computing the same layout directly."""
+
+from __future__ import annotations
+
+import array
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import aoa
+from aoa import demo
+from aoa.convert import derived_outputs, source_shard_info
+from aoa.destination_layout import read_layout
+from aoa.dtypes import numpy_dtype
+from aoa.storage.checkpoint import open_source_checkpoint
+from aoa.storage.safetensors import TensorSpec, write_safetensors
+
+MAPPING = """\
+w^T -> wt
+a, b -> ab, axis=1
+c -> c1, c2, axis=0
+h -> hf, dtype='float32'
+"""
+
+
+def write_checkpoint(folder: Path, tensors: dict[str, np.ndarray]) -> Path:
+    def fill(views):
+        for name, view in views.items():
+            np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
+
+    specs = [TensorSpec(k, _name(v.dtype), v.shape) for k, v in tensors.items()]
+    write_safetensors(folder / "model.safetensors", specs, None, fill)
+    return folder
+
+
+def _name(dtype: np.dtype) -> str:
+    from aoa.dtypes import NUMPY_DTYPES
+
+    return next(name for name, d in NUMPY_DTYPES.items() if d == dtype)
+
+
+@pytest.fixture
+def small(tmp_path):
+    """A small checkpoint and what MAPPING makes of it, computed with numpy."""
+    rng = np.random.default_rng(1)
+    source = {
+        "w": rng.standard_normal((3, 5), dtype=np.float32),
+        "a": rng.standard_normal((4, 2), dtype=np.float32),
+        "b": rng.standard_normal((4, 3), dtype=np.float32),
+        "c": rng.standard_normal((6, 4), dtype=np.float32),
+        "h": rng.standard_normal(8, dtype=np.float32).astype(ml_dtypes.bfloat16),
+        "n": np.arange(4, dtype=np.int32).reshape(2, 2),
+    }
+    expected = {
+        "wt": source["w"].T, "ab": np.concatenate([source["a"], source["b"]], axis=1),
+        "c1": source["c"][:3], "c2": source["c"][3:], "hf": source["h"].astype(np.float32),
+        "n": source["n"],
+    }
+    return write_checkpoint(tmp_path, source), {k: np.ascontiguousarray(v)
+                                                 for k, v in expected.items()}
+
+
+def empty_like(expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.full(v.shape, 99, v.dtype) for k, v in expected.items()}
+
+
+def assert_same_bytes(got, want) -> None:
+    assert got.shape == want.shape
+    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+# -- numpy ---------------------------------------------------------------------------------
+
+
+def test_numpy_arrays_filled_in_place(small):
+    folder, expected = small
+    into = empty_like(expected)
+    pointers = {k: v.ctypes.data for k, v in into.items()}
+    loaded = aoa.load(MAPPING, source=folder, into=into, progress=False)
+    for key, want in expected.items():
+        assert_same_bytes(into[key], want)
+        assert into[key].ctypes.data == pointers[key]
+    assert loaded.nbytes == sum(v.nbytes for v in expected.values())
+    assert sorted(loaded.plan.destinations[i].key for i in loaded.filled) == sorted(expected)
+
+
+def test_mapping_as_a_file_a_list_or_an_open_checkpoint(small, tmp_path):
+    folder, expected = small
+    path = tmp_path / "m.aoa"
+    path.write_text(MAPPING)
+    with open_source_checkpoint(folder) as checkpoint:
+        for mapping in (path, str(path), MAPPING.splitlines()):
+            into = empty_like(expected)
+            aoa.load(mapping, source=checkpoint, into=into, progress=False)
+            for key, want in expected.items():
+                assert_same_bytes(into[key], want)
+
+
+def test_strided_numpy_destination(small):
+    folder, expected = small
+    into = empty_like(expected)
+    base = np.zeros((5, 3), np.float32).T.copy().T  # Fortran order: not C-contiguous
+    assert not base.flags.c_contiguous
+    into["wt"] = base
+    aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert_same_bytes(base, expected["wt"])
+
+
+def test_buffer_protocol_destinations(small):
+    folder, expected = small
+    into: dict[str, object] = empty_like(expected)
+    raw = bytearray(expected["n"].nbytes)
+    into["n"] = memoryview(raw).cast("B").cast("i", (2, 2))
+    floats = array.array("f", [0.0] * 8)
+    into["hf"] = floats
+    aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert bytes(raw) == expected["n"].tobytes()
+    assert floats.tobytes() == expected["hf"].tobytes()
+
+
+class DlpackOnly:
+    """An object that offers its bytes by DLPack alone."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_dlpack_destination(small):
+    folder, expected = small
+    into: dict[str, object] = empty_like(expected)
+    target = np.zeros((5, 3), np.float32)
+    into["wt"] = DlpackOnly(target)
+    aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert_same_bytes(target, expected["wt"])
+
+
+def test_numpy_backend_gives_the_same_bytes(small):
+    folder, expected = small
+    into = empty_like(expected)
+    aoa.load(MAPPING, source=folder, into=into, progress=False, backend="numpy")
+    for key, want in expected.items():
+        assert_same_bytes(into[key], want)
+
+
+# -- shards --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def llama(tmp_path):
+    """The demo's Llama-like checkpoint and its tensor-parallel-2 destination layout."""
+    hf = demo.make_checkpoint(tmp_path)
+    mapping = demo.data_file("llama_fused_tp2.aoa")
+    with open_source_checkpoint(tmp_path) as checkpoint:
+        outputs = derived_outputs(mapping.read_text(), source_shard_info(checkpoint), False,
+                                  None)
+    destination, ranks = read_layout(demo.data_file("llama_tp2.toml")).shards(outputs)
+    return tmp_path, hf, mapping, destination, ranks
+
+
+def shard_buffers(shards) -> dict[str, list[aoa.Shard]]:
+    into: dict[str, list[aoa.Shard]] = {}
+    for s in shards:
+        buffer = np.full(s.local_shape, 7, numpy_dtype(s.dtype))
+        into.setdefault(s.key, []).append(aoa.Shard(buffer, s.global_shape, s.global_offset))
+    return into
+
+
+def test_both_tensor_parallel_shards_in_one_process(llama):
+    folder, hf, mapping, _, ranks = llama
+    into = shard_buffers([s for shards in ranks for s in shards])
+    aoa.load(mapping, source=folder, into=into, progress=False)
+    for rank in range(2):
+        for key, want in demo.expected_shards(hf, rank).items():
+            assert_same_bytes(into[key][rank].buffer, want)
+
+
+def test_one_rank_with_the_whole_layout_given(llama):
+    folder, hf, mapping, destination, ranks = llama
+    into = shard_buffers(ranks[1])
+    loaded = aoa.load(mapping, source=folder, into=into, destination=destination,
+                      progress=False)
+    for key, want in demo.expected_shards(hf, 1).items():
+        assert_same_bytes(into[key][0].buffer, want)
+    assert len(loaded.filled) == len(ranks[1])
+    assert len(loaded.plan.destinations) == sum(len(r) for r in ranks)
+
+
+def test_one_rank_without_the_layout_is_refused(llama):
+    folder, _, mapping, _, ranks = llama
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load(mapping, source=folder, into=shard_buffers(ranks[1]), progress=False)
+    assert error.value.message == (
+        "the buffers for 'embed_tokens.weight' cover 131072 of the 262144 elements of its "
+        "global shape [1024, 256]")
+    assert error.value.hint.startswith("Give the whole destination layout with destination=")
+
+
+# -- torch ---------------------------------------------------------------------------------
+
+
+def test_torch_cpu_tensors(llama):
+    torch = pytest.importorskip("torch")
+    folder, hf, mapping, _, ranks = llama
+    into: dict[str, list[aoa.Shard]] = {}
+    for s in (s for shards in ranks for s in shards):
+        tensor = torch.full(s.local_shape, 7, dtype=getattr(torch, s.dtype or "float32"))
+        into.setdefault(s.key, []).append(aoa.Shard(tensor, s.global_shape, s.global_offset))
+    pointers = {k: [s.buffer.data_ptr() for s in v] for k, v in into.items()}
+    aoa.load(mapping, source=folder, into=into, progress=False)
+    for rank in range(2):
+        for key, want in demo.expected_shards(hf, rank).items():
+            tensor = into[key][rank].buffer
+            assert str(tensor.dtype) == f"torch.{want.dtype}"
+            got = tensor.view(torch.uint8).numpy() if tensor.dim() else tensor.numpy()
+            assert got.tobytes() == np.ascontiguousarray(want).tobytes()
+            assert tensor.data_ptr() == pointers[key][rank]
+
+
+def test_torch_strided_tensor_and_grad(small):
+    torch = pytest.importorskip("torch")
+    folder, expected = small
+    into: dict[str, object] = empty_like(expected)
+    strided = torch.zeros(3, 5).t()  # the transpose of a contiguous tensor
+    into["wt"] = strided
+    parameter = torch.nn.Parameter(torch.zeros(4, 5))
+    into["ab"] = parameter
+    aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert_same_bytes(strided.numpy(), expected["wt"])
+    assert_same_bytes(parameter.detach().numpy(), expected["ab"])
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def test_buffer_for_a_key_the_mapping_does_not_make(small):
+    folder, expected = small
+    into = empty_like(expected)
+    into["wtt"] = into.pop("wt")
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert error.value.message == "'wtt' has a buffer, but the mapping makes no tensor of that name"
+    assert error.value.hint == "Did you mean 'wt'?"
+
+
+def test_tensor_the_mapping_makes_without_a_buffer(small):
+    folder, expected = small
+    into = empty_like(expected)
+    del into["c2"]
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert error.value.message == "the mapping makes 'c2', but no buffer is given for it"
+
+
+def test_wrong_shape(small):
+    folder, expected = small
+    into = empty_like(expected)
+    into["wt"] = np.zeros((3, 5), np.float32)
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert error.value.message == (
+        "the buffer for 'wt' has shape [3, 5], but the mapping makes [5, 3]")
+
+
+def test_wrong_global_shape_of_a_shard(small):
+    folder, expected = small
+    into: dict[str, object] = empty_like(expected)
+    into["wt"] = [aoa.Shard(np.zeros((5, 2), np.float32), (5, 4), (0, 0)),
+                  aoa.Shard(np.zeros((5, 2), np.float32), (5, 4), (0, 2))]
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert error.value.message == (
+        "the buffer for 'wt' is a shard of global shape [5, 4], but the mapping makes [5, 3]")
+
+
+def test_wrong_dtype(small):
+    folder, expected = small
+    into = empty_like(expected)
+    into["hf"] = np.zeros(8, ml_dtypes.bfloat16)
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert error.value.message == "the buffer for 'hf' is bfloat16, but the mapping makes float32"
+    assert error.value.hint == (
+        "Give a float32 buffer, or cast in the mapping: `... -> hf, dtype='bfloat16'`.")
+
+
+def test_shard_past_its_global_shape(small):
+    folder, expected = small
+    into: dict[str, object] = empty_like(expected)
+    into["wt"] = aoa.Shard(np.zeros((5, 3), np.float32), (5, 3), (1, 0))
+    with pytest.raises(aoa.UsageError) as error:
+        aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert error.value.message == (
+        "the buffer for 'wt' reaches past its global shape on axis 0: offset 1 + size 5 > 5")
+
+
+@pytest.mark.parametrize(("buffer", "message"), [
+    (np.frombuffer(bytes(60), np.float32).reshape(5, 3),
+     "the buffer for 'wt' is read-only (numpy array)"),
+    (bytes(60), "the buffer for 'wt' is read-only (bytes)"),
+    (np.zeros((5, 3), np.complex64),
+     "the buffer for 'wt' has dtype complex64, which aoa does not know"),
+    ([[0.0] * 3] * 5, "the buffer for 'wt' is a list, which aoa cannot fill"),
+    ("text", "the buffer for 'wt' is a str, which aoa cannot fill"),
+])
+def test_buffers_aoa_cannot_fill(small, buffer, message):
+    folder, expected = small
+    into: dict[str, object] = empty_like(expected)
+    into["wt"] = buffer
+    with pytest.raises(aoa.UsageError) as error:
+        aoa.load(MAPPING, source=folder, into=into, progress=False)
+    assert error.value.message == message
+
+
+def test_the_compiler_still_validates(small):
+    folder, expected = small
+    into = empty_like(expected)
+    with pytest.raises(aoa.ShapeError):
+        aoa.load("w -> x, y, axis=1", source=folder, into=into, progress=False)
