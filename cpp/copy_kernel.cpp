@@ -91,8 +91,8 @@ using BlockFn = void (*)(const uint8_t* source, int64_t source_stride, uint8_t* 
                          int64_t destination_stride);
 
 template <int64_t Size, int64_t Side>
-void transpose_block_plain(const uint8_t* source, int64_t source_stride, uint8_t* destination,
-                           int64_t destination_stride) {
+inline void transpose_block_plain(const uint8_t* source, int64_t source_stride,
+                                  uint8_t* destination, int64_t destination_stride) {
   for (int64_t i = 0; i < Side; ++i)
     for (int64_t j = 0; j < Side; ++j)
       std::memcpy(destination + i * destination_stride + j * Size,
@@ -100,8 +100,8 @@ void transpose_block_plain(const uint8_t* source, int64_t source_stride, uint8_t
 }
 
 #if defined(__SSE2__)
-void transpose_block_4(const uint8_t* source, int64_t source_stride, uint8_t* destination,
-                       int64_t destination_stride) {
+inline void transpose_block_4(const uint8_t* source, int64_t source_stride,
+                              uint8_t* destination, int64_t destination_stride) {
   __m128 a = _mm_loadu_ps(reinterpret_cast<const float*>(source));
   __m128 b = _mm_loadu_ps(reinterpret_cast<const float*>(source + source_stride));
   __m128 c = _mm_loadu_ps(reinterpret_cast<const float*>(source + 2 * source_stride));
@@ -113,8 +113,8 @@ void transpose_block_4(const uint8_t* source, int64_t source_stride, uint8_t* de
   _mm_storeu_ps(reinterpret_cast<float*>(destination + 3 * destination_stride), d);
 }
 
-void transpose_block_2(const uint8_t* source, int64_t source_stride, uint8_t* destination,
-                       int64_t destination_stride) {
+inline void transpose_block_2(const uint8_t* source, int64_t source_stride,
+                              uint8_t* destination, int64_t destination_stride) {
   __m128i x[8];
   for (int k = 0; k < 8; ++k)
     x[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + k * source_stride));
@@ -135,8 +135,8 @@ void transpose_block_2(const uint8_t* source, int64_t source_stride, uint8_t* de
     _mm_storeu_si128(reinterpret_cast<__m128i*>(destination + k * destination_stride), rows[k]);
 }
 
-void transpose_block_8(const uint8_t* source, int64_t source_stride, uint8_t* destination,
-                       int64_t destination_stride) {
+inline void transpose_block_8(const uint8_t* source, int64_t source_stride,
+                              uint8_t* destination, int64_t destination_stride) {
   const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
   const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + source_stride));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(destination), _mm_unpacklo_epi64(x0, x1));
@@ -144,26 +144,6 @@ void transpose_block_8(const uint8_t* source, int64_t source_stride, uint8_t* de
                    _mm_unpackhi_epi64(x0, x1));
 }
 #endif
-
-struct TransposeBlock {
-  BlockFn block;
-  int64_t side;
-};
-
-TransposeBlock transpose_block_for(int64_t itemsize) {
-  switch (itemsize) {
-#if defined(__SSE2__)
-    case 8: return {&transpose_block_8, 2};
-    case 4: return {&transpose_block_4, 4};
-    case 2: return {&transpose_block_2, 8};
-#else
-    case 8: return {&transpose_block_plain<8, 4>, 4};
-    case 4: return {&transpose_block_plain<4, 8>, 8};
-    case 2: return {&transpose_block_plain<2, 8>, 8};
-#endif
-    default: return {&transpose_block_plain<1, 16>, 16};
-  }
-}
 
 // ---------------------------------------------------------------------------------------
 // A validated copy, its axes simplified into loop order.
@@ -179,6 +159,12 @@ struct CastStep {
   int64_t output_itemsize;
 };
 
+struct PlannedCopy;
+
+// Columns [column0, column0 + width) of rows [row0, row_end) of a copy's last two axes.
+using TileFn = void (*)(const PlannedCopy& copy, const uint8_t* source, uint8_t* destination,
+                        int64_t row0, int64_t row_end, int64_t column0, int64_t width);
+
 struct PlannedCopy {
   const uint8_t* source;  // at the offset
   uint8_t* destination;
@@ -187,7 +173,7 @@ struct PlannedCopy {
   std::vector<Axis> axes;       // outermost first; empty for a single element
   std::vector<CastStep> steps;  // one row per rounding step; one plain copy when none
   bool tiled;                   // the last two axes are walked in square tiles
-  TransposeBlock transpose;     // for tiles of bytes that transpose exactly; else null
+  TileFn tile;                  // how a tile is walked, when `tiled`
   int64_t bytes;                // read plus written: the weight for splitting work
 };
 
@@ -266,13 +252,16 @@ void simplify(PlannedCopy& copy) {
   const int64_t inner_stride = std::llabs(axes.back().source_stride);
   if (inner_stride == copy.source_itemsize) return;
   // The axis along which the source is most contiguous becomes the other tile axis.
-  auto most_contiguous = std::min_element(axes.begin(), axes.end() - 1, [](const Axis& a, const Axis& b) {
-    return std::llabs(a.source_stride) < std::llabs(b.source_stride);
-  });
+  auto most_contiguous =
+      std::min_element(axes.begin(), axes.end() - 1, [](const Axis& a, const Axis& b) {
+        return std::llabs(a.source_stride) < std::llabs(b.source_stride);
+      });
   if (std::llabs(most_contiguous->source_stride) >= inner_stride) return;
   std::rotate(most_contiguous, most_contiguous + 1, axes.end() - 1);
   copy.tiled = true;
 }
+
+TileFn tile_for(const PlannedCopy& copy, bool moves_bytes);
 
 class TableReader {
  public:
@@ -357,12 +346,7 @@ PlannedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sourc
     copy.axes.push_back({shape[k], source_strides[k], destination_strides[k]});
   copy.bytes = bytes;
   simplify(copy);
-  if (copy.tiled && moves_bytes) {
-    const Axis& rows = copy.axes[copy.axes.size() - 2];
-    if (rows.source_stride == copy.source_itemsize &&
-        copy.axes.back().destination_stride == copy.source_itemsize)
-      copy.transpose = transpose_block_for(copy.source_itemsize);
-  }
+  if (copy.tiled) copy.tile = tile_for(copy, moves_bytes);
   return copy;
 }
 
@@ -391,7 +375,7 @@ void run_row(const PlannedCopy& copy, const uint8_t* source, int64_t source_stri
   }
 }
 
-// Columns [column0, column0 + width) of rows [row0, row_end) of the last two axes.
+// A TileFn through rows, for any copy.
 void run_tile(const PlannedCopy& copy, const uint8_t* source, uint8_t* destination,
               int64_t row0, int64_t row_end, int64_t column0, int64_t width) {
   const Axis& rows = copy.axes[copy.axes.size() - 2];
@@ -403,25 +387,45 @@ void run_tile(const PlannedCopy& copy, const uint8_t* source, uint8_t* destinati
             columns.destination_stride, width);
 }
 
-// A tile of an exact transpose: whole blocks, then the rows and columns left over.
+// A TileFn for an exact transpose: whole blocks (inlined), then the edges through rows.
+template <BlockFn Block, int64_t Side>
 void run_transposed_tile(const PlannedCopy& copy, const uint8_t* source, uint8_t* destination,
                          int64_t row0, int64_t row_end, int64_t column0, int64_t width) {
   const Axis& rows = copy.axes[copy.axes.size() - 2];
   const Axis& columns = copy.axes.back();
-  const int64_t side = copy.transpose.side;
-  const int64_t block_rows_end = row0 + (row_end - row0) / side * side;
-  const int64_t block_width = width / side * side;
-  for (int64_t row = row0; row < block_rows_end; row += side)
-    for (int64_t column = column0; column < column0 + block_width; column += side)
-      copy.transpose.block(source + row * rows.source_stride + column * columns.source_stride,
-                           columns.source_stride,
-                           destination + row * rows.destination_stride +
-                               column * columns.destination_stride,
-                           rows.destination_stride);
+  const int64_t block_rows_end = row0 + (row_end - row0) / Side * Side;
+  const int64_t block_width = width / Side * Side;
+  for (int64_t row = row0; row < block_rows_end; row += Side)
+    for (int64_t column = column0; column < column0 + block_width; column += Side)
+      Block(source + row * rows.source_stride + column * columns.source_stride,
+            columns.source_stride,
+            destination + row * rows.destination_stride + column * columns.destination_stride,
+            rows.destination_stride);
   if (block_width < width)
     run_tile(copy, source, destination, row0, block_rows_end, column0 + block_width,
              width - block_width);
   run_tile(copy, source, destination, block_rows_end, row_end, column0, width);
+}
+
+// Exact byte transposes (the source contiguous down the rows, the destination along the
+// columns) go in blocks; anything else through rows.
+TileFn tile_for(const PlannedCopy& copy, bool moves_bytes) {
+  const int64_t item = copy.source_itemsize;
+  if (!moves_bytes || copy.axes[copy.axes.size() - 2].source_stride != item ||
+      copy.axes.back().destination_stride != item)
+    return &run_tile;
+  switch (item) {
+#if defined(__SSE2__)
+    case 8: return &run_transposed_tile<&transpose_block_8, 2>;
+    case 4: return &run_transposed_tile<&transpose_block_4, 4>;
+    case 2: return &run_transposed_tile<&transpose_block_2, 8>;
+#else
+    case 8: return &run_transposed_tile<&transpose_block_plain<8, 4>, 4>;
+    case 4: return &run_transposed_tile<&transpose_block_plain<4, 8>, 8>;
+    case 2: return &run_transposed_tile<&transpose_block_plain<2, 8>, 8>;
+#endif
+    default: return &run_transposed_tile<&transpose_block_plain<1, 16>, 16>;
+  }
 }
 
 // The last two axes in kTile x kTile tiles, rows of the second-to-last in [begin, end):
@@ -433,11 +437,7 @@ void run_tiles(const PlannedCopy& copy, const uint8_t* source, uint8_t* destinat
     const int64_t row_end = std::min(row0 + kTile, end);
     for (int64_t column0 = 0; column0 < columns; column0 += kTile) {
       const int64_t width = std::min(kTile, columns - column0);
-      if (copy.transpose.block) {
-        run_transposed_tile(copy, source, destination, row0, row_end, column0, width);
-      } else {
-        run_tile(copy, source, destination, row0, row_end, column0, width);
-      }
+      copy.tile(copy, source, destination, row0, row_end, column0, width);
     }
   }
 }
@@ -474,7 +474,8 @@ struct Piece {
 void run_piece(const Piece& piece) {
   const PlannedCopy& copy = *piece.copy;
   if (copy.axes.empty()) {
-    run_row(copy, copy.source, copy.source_itemsize, copy.destination, copy.destination_itemsize, 1);
+    run_row(copy, copy.source, copy.source_itemsize, copy.destination,
+            copy.destination_itemsize, 1);
   } else {
     walk(copy, 0, copy.source, copy.destination, piece.begin, piece.end);
   }
