@@ -3,6 +3,12 @@
 Plain and slow on purpose: it is the oracle the C++ kernel is tested against byte for
 byte, and it defines what a cast means (numpy's ``astype``, ml_dtypes' for bfloat16 and
 fp8). It refuses what the kernel refuses, with the same messages, before any byte moves.
+
+fp8 follows ml_dtypes exactly, with no saturation: a value beyond the range becomes NaN in
+float8_e4m3fn, which has no infinity (from 464 up, halfway past its largest value 448),
+and infinity in float8_e5m2 (from 61440, halfway past 57344). A float64 rounds once,
+straight to bfloat16 or fp8, not through float32, as ml_dtypes does; an int64 rounds once
+too. Casts to integers (from floats, or to another size) are refused.
 """
 
 from __future__ import annotations
