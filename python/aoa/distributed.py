@@ -125,8 +125,8 @@ class RankShare:
         output = Path(output)
         mine = self.files(conversion)
         seconds = 0.0
+        error: BaseException | None = None
         if self.collective:
-            error = None
             try:
                 check_output_folder(output)  # before anyone writes: all see the same folder
             except AoaError as failure:
