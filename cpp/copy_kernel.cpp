@@ -7,6 +7,7 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -535,8 +536,12 @@ void run_all(const std::vector<PlannedCopy>& copies, int64_t threads) {
       for (size_t p = work.starts[item]; p < work.starts[item + 1]; ++p) run_piece(work.pieces[p]);
   };
   std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < std::min<int64_t>(threads, static_cast<int64_t>(items)); ++t)
-    helpers.emplace_back(worker);
+  try {
+    for (int64_t t = 1; t < std::min<int64_t>(threads, static_cast<int64_t>(items)); ++t)
+      helpers.emplace_back(worker);
+  } catch (const std::system_error&) {
+    // The system gives no more threads: the ones running share the work.
+  }
   worker();
   for (std::thread& helper : helpers) helper.join();
 }
