@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from math import prod
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -109,8 +109,7 @@ def staged_plan(plan: Plan, targets: Mapping[int, DeviceBuffer], staging_bytes: 
             stop = min(rows, start + step)
             slab_index = len(slab_descs)
             slab_descs.append(_rows_of(shard, start, stop, staged))
-            slab_copies += [dataclasses.replace(c, destination=slab_index)
-                            for c in _cut(copies, start, stop)]
+            slab_copies += [_moved(c, slab_index) for c in _cut(copies, start, stop)]
             count = (stop - start) * row_items
             slabs.append(Slab(index, (start, stop), staged,
                               target.pointer + start * row_items * itemsize(dtype),
@@ -140,9 +139,14 @@ def _cut(copies: Sequence[PlannedCopy], start: int, stop: int) -> Iterator[Plann
         axis = c.order[0] if c.order is not None else 0  # the source axis under axis 0
         source_start = list(c.source_start)
         source_start[axis] += low - c.destination_start[0]
-        yield dataclasses.replace(
-            c, destination_start=(low - start, *c.destination_start[1:]),
-            shape=(high - low, *c.shape[1:]), source_start=tuple(source_start))
+        yield PlannedCopy(c.destination, (low - start, *c.destination_start[1:]),
+                          (high - low, *c.shape[1:]), c.source, tuple(source_start), c.order,
+                          c.casts)
+
+
+def _moved(c: PlannedCopy, destination: int) -> PlannedCopy:
+    return PlannedCopy(destination, c.destination_start, c.shape, c.source, c.source_start,
+                       c.order, c.casts)
 
 
 def batches(slabs: Sequence[Slab], staging_bytes: int) -> list[list[tuple[int, int]]]:
@@ -221,7 +225,7 @@ class CupyTransfer:
         import cupy
 
         self.cupy = cupy
-        self._kernels: dict[tuple[str, str], object] = {}
+        self._kernels: dict[tuple[str, str], Any] = {}
         self._keep: list[object] = []  # device scratch, pinned memory: alive until done
 
     def device(self, device: int) -> AbstractContextManager:
