@@ -62,11 +62,11 @@ def read_shard_info(path: str | None, what: str) -> dict[str, list[ShardDesc]] |
                          f"global_offset and dtype ({error})") from None
 
 
-def _compilation(args) -> Compilation:
+def _compilation(args, share: bool = True) -> Compilation:
     statements, reverse, file = read_mapping(args.mapping)
     return analyze(statements, read_shard_info(args.source, "source") or {},
                    read_shard_info(args.destination, "destination"),
-                   reverse=reverse or args.reverse, file=file)
+                   reverse=reverse or args.reverse, file=file, share=share)
 
 
 def cmd_compile(args) -> int:
@@ -83,7 +83,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    compilation = _compilation(args)
+    compilation = _compilation(args, share=False)
     print("# statements after macro expansion")
     for statement in compilation.program.statements:
         written = statement.written()

@@ -110,6 +110,10 @@ def _as_shard(shard) -> ShardDesc:
 
 
 def _check_shard(shard: ShardDesc, key: str, what: str) -> None:
+    offsets, sizes, totals = shard.global_offset, shard.local_shape, shard.global_shape
+    if len(offsets) == len(sizes) == len(totals) and all(
+            0 <= o and 0 <= n and o + n <= t for o, n, t in zip(offsets, sizes, totals)):
+        return
     rank = len(shard.global_shape)
     if len(shard.local_shape) != rank or len(shard.global_offset) != rank:
         raise UsageError(f"{what} shard of '{key}' has local shape {list(shard.local_shape)}, "

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from aoa.ir import Program
 from aoa.layout import ShardDesc, normalize_shard_info
-from aoa.passes import expand_fused, expand_macros, propagate_shapes, resolve_chains
+from aoa.passes import (
+    expand_fused,
+    expand_macros,
+    propagate_shapes,
+    resolve_chains,
+    share_instances,
+)
 from aoa.passes.context import CompileContext
 from aoa.passes.parse import parse
 from aoa.passes.plan import Planner
@@ -21,6 +27,7 @@ from aoa.plan import Plan
 
 PASSES: tuple[tuple[str, Callable[[Program, CompileContext], Program]], ...] = (
     ("expand_macros", expand_macros.run),
+    ("share_instances", share_instances.run),
     ("resolve_chains", resolve_chains.run),
     ("expand_fused", expand_fused.run),
     ("propagate_shapes", propagate_shapes.run),
@@ -59,8 +66,10 @@ def _collector_paused():
 
 def analyze(statements: str | Sequence[str], source: Mapping, destination: Mapping | None = None,
             *, reverse: bool = False, file: str | None = None,
-            after_pass: AfterPass | None = None) -> Compilation:
-    """Run every pass; the result can answer queries (compat engine) or build the plan."""
+            after_pass: AfterPass | None = None, share: bool = True) -> Compilation:
+    """Run every pass; the result can answer queries (compat engine) or build the plan.
+
+    ``share=False`` expands every template instance in full (for `aoa explain`)."""
     with _collector_paused():
         ctx = CompileContext(normalize_shard_info(source, "source") or {},
                              normalize_shard_info(destination, "destination"), reverse)
@@ -69,6 +78,9 @@ def analyze(statements: str | Sequence[str], source: Mapping, destination: Mappi
         if after_pass:
             after_pass("parse", program, ctx)
         for name, run in PASSES:
+            if name == "share_instances" and not share:
+                ctx.facts["shared"] = []
+                continue
             program = run(program, ctx)
             if after_pass:
                 after_pass(name, program, ctx)

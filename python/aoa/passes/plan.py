@@ -43,10 +43,10 @@ class Entry(NamedTuple):
 
 
 class _Recipe(NamedTuple):
-    """One copy of a destination shard, with its source named by the position of the read
-    (which source key) and of the shard among that key's distinct shards."""
+    """One copy of a destination shard, with its source named by the tensor's slot (which
+    source key) and the position of the shard among that key's distinct shards."""
 
-    entry: int
+    slot: int
     shard: int
     destination_start: Box
     shape: Box
@@ -260,25 +260,29 @@ class Planner:
         copies: list[PlannedCopy] = []
         untouched: list[int] = []
         removed = self.state.removed
+        by_key: dict[str, tuple] = {}
         for index, target in enumerate(destinations):
-            tensor = self.tensor_for(target.key)
+            known = by_key.get(target.key)
+            if known is None:
+                tensor = self.tensor_for(target.key)
+                suffix = split_optimizer_suffix(target.key)[1] if tensor is not None else None
+                signature = (None if tensor is None else tuple(
+                    [self._signature(k + suffix if suffix else k) for k in tensor.keys]))
+                known = by_key[target.key] = (tensor, suffix, signature)
+            tensor, suffix, signature = known
             if tensor is None:
                 untouched.append(index)
                 continue
-            suffix = split_optimizer_suffix(target.key)[1]
-            entries = self._raw_entries(target, tensor, suffix)
-            keys = tensor.keys
-            read_keys = [keys[e.slot] + suffix if suffix else keys[e.slot] for e in entries]
-            signature = tuple(map(self._signature, read_keys))
             memo_key = (id(tensor.layout), target.global_offset, target.local_shape,
                         target.global_shape, target.dtype, suffix, signature)
             recipes = None if removed else self._recipe_memo.get(memo_key)
             if recipes is None:
-                recipes = self._recipes(target, tensor, entries, read_keys)
+                recipes = self._recipes(target, tensor, suffix)
                 if not removed:
                     self._recipe_memo[memo_key] = recipes
+            keys = tensor.keys
             for r in recipes:
-                source_key = read_keys[r.entry]
+                source_key = keys[r.slot] + suffix if suffix else keys[r.slot]
                 shard = self._source_shards[source_key][r.shard]
                 where = (source_key, shard.global_offset)
                 s = source_index.get(where)
@@ -304,18 +308,20 @@ class Planner:
                 layout, len(self._signature_ids))
         return signature
 
-    def _recipes(self, target: ShardDesc, tensor: Tensor, entries, read_keys) -> list[_Recipe]:
+    def _recipes(self, target: ShardDesc, tensor: Tensor, suffix: str | None) -> list[_Recipe]:
         """Validate one destination shard and work out its copies."""
+        entries = self._raw_entries(target, tensor, suffix)
+        read_keys = [tensor.keys[e.slot] + (suffix or "") for e in entries]
         self._check(target, tensor, [(k, e.ops) for k, e in zip(read_keys, entries)],
                     [(e.target_lo, e.target_hi, k) for k, e in zip(read_keys, entries)])
         offset = target.global_offset
         recipes = []
-        for position, (source_key, e) in enumerate(zip(read_keys, entries)):
+        for source_key, e in zip(read_keys, entries):
             shards = self.source_shards(source_key)
             casts = self._casts(e.ops, shards[0].dtype, target.dtype)
             for physical in self._physical(e, source_key, shards):
                 recipes.append(_Recipe(
-                    position, physical.shard,
+                    e.slot, physical.shard,
                     tuple(t + d - o for t, d, o in zip(e.target_lo, physical.target_delta,
                                                        offset)),
                     physical.shape, physical.source_start, e.order, casts))

@@ -1,0 +1,112 @@
+"""Share instances: a template's instances that are independent and laid out alike are
+compiled once.
+
+`model.layers.$LAYER_ID.mlp.experts.$EXPERT_ID.w^T -> ...` becomes thousands of statements
+that differ only in their names. When an instance reads only source keys nobody else writes,
+writes only keys nobody else reads or writes, and its keys have the same shard layouts and
+dtypes as an instance already kept, the later passes would repeat the kept one's work name
+for name. Such an instance is set aside here; shape propagation gives its destination keys
+the kept instance's tensors with the source keys renamed, and planning (memoized per layout
+and source layout) does the rest. The result is the same as expanding every instance.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from aoa.ir import NOTHING, Program, Statement
+from aoa.layout import SHARD_COUNT_SUFFIXES, ShardDesc, split_optimizer_suffix
+from aoa.passes.context import CompileContext
+
+
+@dataclass(frozen=True)
+class SharedInstance:
+    """``statement`` is compiled as ``kept`` with ``renames`` (kept source key -> its own)."""
+
+    statement: Statement
+    kept: Statement
+    renames: dict[str, str]
+    writes: tuple[tuple[str, str], ...]  # (kept destination key, own destination key)
+
+
+def _layout(shards: list[ShardDesc] | None):
+    """Shards listed in the same order with the same boxes and dtype compare equal."""
+    if not shards:
+        return None
+    return shards[0].dtype, tuple([(s.global_offset, s.local_shape, s.global_shape)
+                                   for s in shards])
+
+
+class _Signatures:
+    """A small number per key standing for the layouts of it and its optimizer states."""
+
+    def __init__(self, info: dict[str, list[ShardDesc]] | None) -> None:
+        self.info = info or {}
+        self.ids: dict[tuple, int] = {}
+        self.of: dict[str, int] = {}
+        self.states: dict[str, list[tuple[str, list[ShardDesc]]]] = {}
+        for key, shards in self.info.items():
+            model_key, suffix = split_optimizer_suffix(key)
+            if suffix in SHARD_COUNT_SUFFIXES:
+                self.states.setdefault(model_key, []).append((suffix, shards))
+
+    def __call__(self, key: str) -> int:
+        found = self.of.get(key)
+        if found is None:
+            states = tuple(sorted((suffix, _layout(shards))
+                                  for suffix, shards in self.states.get(key, ())))
+            layout = (_layout(self.info.get(key)), states)
+            found = self.of[key] = self.ids.setdefault(layout, len(self.ids))
+        return found
+
+
+def run(program: Program, ctx: CompileContext) -> Program:
+    ctx.facts["shared"] = []
+    if ctx.destination is None or ctx.reverse:
+        return program
+    statements = program.statements
+    reads: Counter[str] = Counter()
+    writes: Counter[str] = Counter()
+    for s in statements:
+        reads.update(n.base for n in s.left)
+        writes.update(n.base for n in s.right)
+    source_signature = _Signatures(ctx.source)
+    destination_signature = _Signatures(ctx.destination)
+    kept_by_signature: dict[tuple, Statement] = {}
+    kept: list[Statement] = []
+    shared: list[SharedInstance] = ctx.facts["shared"]
+    for s in statements:
+        if s.origin is None or not _independent(s, reads, writes, ctx):
+            kept.append(s)
+            continue
+        # Instances of one template share their attribute tuple object (and the written
+        # statement it came from); equal names of sources and destinations complete it.
+        signature = (id(s.attributes), id(s.written()), len(s.left), len(s.right),
+                     tuple([n.text.endswith("^T") for n in s.left]),
+                     tuple(source_signature(n.base) for n in s.left),
+                     tuple(destination_signature(n.text) for n in s.right))
+        first = kept_by_signature.get(signature)
+        if first is None:
+            kept_by_signature[signature] = s
+            kept.append(s)
+            continue
+        shared.append(SharedInstance(
+            s, first, {a.base: b.base for a, b in zip(first.left, s.left)},
+            tuple((a.text, b.text) for a, b in zip(first.right, s.right)
+                  if b.text in ctx.destination_keys)))
+    if not shared:
+        return program
+    return Program(tuple(kept))
+
+
+def _independent(s: Statement, reads: Counter, writes: Counter, ctx: CompileContext) -> bool:
+    own_reads = {n.base for n in s.left}
+    own_writes = {n.text for n in s.right}
+    if NOTHING in own_reads or NOTHING in own_writes or len(own_writes) != len(s.right):
+        return False
+    for name in own_reads:
+        if name not in ctx.source_keys or writes[name] - (name in own_writes):
+            return False
+    return all(writes[name] == 1 and reads[name] == (name in own_reads) and
+               not name.endswith("^T") for name in own_writes)
