@@ -112,7 +112,7 @@ def _as_shard(shard) -> ShardDesc:
 def _check_shard(shard: ShardDesc, key: str, what: str) -> None:
     offsets, sizes, totals = shard.global_offset, shard.local_shape, shard.global_shape
     if len(offsets) == len(sizes) == len(totals) and all(
-            0 <= o and 0 <= n and o + n <= t for o, n, t in zip(offsets, sizes, totals)):
+            o >= 0 and n >= 0 and o + n <= t for o, n, t in zip(offsets, sizes, totals)):
         return
     rank = len(shard.global_shape)
     if len(shard.local_shape) != rank or len(shard.global_offset) != rank:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import NamedTuple
 from math import prod
+from typing import NamedTuple
 
 from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
