@@ -15,6 +15,7 @@ import json
 import math
 import mmap
 import os
+import sys
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -256,6 +257,21 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
+#: Linux's MADV_POPULATE_WRITE (5.14+; Python 3.11's mmap module lacks the name).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _prefault(mapping: mmap.mmap) -> None:
+    """Fault the whole file's pages in at once: the kernel then writes into them three
+    times faster than when each first touch of a page traps. Older kernels say EINVAL
+    (harmless: the pages then fault one by one, as before)."""
+    if sys.platform.startswith("linux") and len(mapping):
+        try:
+            mapping.madvise(_MADV_POPULATE_WRITE)
+        except OSError:
+            pass
+
+
 def _unmap(mapping: mmap.mmap) -> None:
     """Close ``mapping`` unless views of it are still alive; then the last view unmaps it."""
     with contextlib.suppress(BufferError):
@@ -335,6 +351,7 @@ class SafetensorsWriter:
         try:
             _reserve(self._fd, offset)
             self._mapping = mmap.mmap(self._fd, offset, access=mmap.ACCESS_WRITE)
+            _prefault(self._mapping)
         except OSError as error:
             self.discard()
             raise StorageError(
