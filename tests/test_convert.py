@@ -274,3 +274,24 @@ def test_failure_during_copies_leaves_no_files(workspace, monkeypatch):
               "--output", str(workspace / "out"), "--layout", str(workspace / "tp2.toml"),
               "--quiet"])
     assert no_partial_files(workspace / "out")
+
+
+def test_optimizer_states_follow_their_parameter(workspace):
+    hf = tensors()
+    rng = np.random.default_rng(1)
+    for layer in range(2):
+        for name in ("gate", "up"):
+            hf[f"a.{layer}.{name}.moment1_0"] = rng.standard_normal((8, 4), dtype=np.float32)
+            hf[f"a.{layer}.{name}.beta1_pow_acc_0"] = np.array([0.9], np.float32)
+    hf_single(workspace / "src", hf)
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--layout", str(workspace / "tp2.toml"),
+                 "--quiet"]) == 0
+    for rank in range(2):
+        got = read_back(workspace / "out" / f"rank-{rank:05d}-of-00002.safetensors")
+        moments = {k.replace(".moment1_0", ""): v for k, v in hf.items() if "moment1_0" in k}
+        want = expected_rank(moments | {k: v for k, v in hf.items() if "norm" in k}, rank)
+        assert got["b.0.up_gate.moment1_0"].tobytes() == want["b.0.up_gate"].tobytes()
+        assert got["b.1.up_gate.beta1_pow_acc_0"].tobytes() == hf["a.1.gate.beta1_pow_acc_0"] \
+            .tobytes()
+        assert "b.0.norm.moment1_0" not in got  # the norm has no moments in the source

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from aoa.destination_layout import MeshLayout
 from aoa.errors import StorageError, UsageError
-from aoa.layout import ShardDesc
+from aoa.layout import BETA_POW_SUFFIXES, OPTIMIZER_SUFFIXES, ShardDesc
+from aoa.passes.plan import result_dtype
 from aoa.pipeline import analyze
 from aoa.plan import Plan
 from aoa.runtime.executor import PlanExecutor
@@ -80,10 +81,27 @@ def source_shard_info(checkpoint: SourceCheckpoint) -> dict[str, list[ShardDesc]
 
 def derived_outputs(statements, source: Mapping, reverse: bool, file: str | None
                     ) -> dict[str, tuple[tuple[int, ...], str | None]]:
-    """Key -> (shape, dtype) of every output the program makes when no destination is given."""
+    """Key -> (shape, dtype) of every output the program makes when no destination is given,
+    with the optimizer states that follow it: a state every source of the output has."""
     compilation = analyze(statements, source, None, reverse=reverse, file=file)
-    planner = compilation.planner
-    return {t.key: (t.global_shape, t.dtype) for t in planner.targets()}
+    state = compilation.ctx.facts["symbolic"]
+    outputs = {}
+    for target in compilation.planner.targets():
+        outputs[target.key] = (target.global_shape, target.dtype)
+        tensor = state.outputs[target.key]
+        keys = sorted(tensor.source_keys()) if tensor is not None else []
+        for suffix in OPTIMIZER_SUFFIXES:
+            states = [source.get(key + suffix) for key in keys]
+            if not keys or not all(states):
+                continue
+            if suffix in BETA_POW_SUFFIXES:
+                outputs[target.key + suffix] = (states[0][0].global_shape, states[0][0].dtype)
+                continue
+            dtypes = {result_dtype(piece.ops, source[key + suffix][0].dtype)
+                      for key, piece in tensor.pieces()}
+            if len(dtypes) == 1:
+                outputs[target.key + suffix] = (target.global_shape, dtypes.pop())
+    return outputs
 
 
 def prepare(statements: str | Sequence[str], checkpoint: SourceCheckpoint, *,

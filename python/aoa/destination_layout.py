@@ -11,6 +11,7 @@ splits; a dimension a rule does not name replicates the tensor:
     tp = 1                                          # tp splits axis 1
 
 The first rule that matches a key decides; a key no rule matches is replicated on every rank.
+Optimizer states (`.moment1_0`, ...) follow their parameter's rule; beta pows are replicated.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import tomllib
 
 from aoa.errors import UsageError
-from aoa.layout import ShardDesc
+from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,9 @@ class MeshLayout:
         by_key: dict[str, list[ShardDesc]] = {}
         by_rank: list[list[ShardDesc]] = [[] for _ in range(self.ranks)]
         for key, (shape, dtype) in outputs.items():
-            rule = self.rule_for(key)
+            # Optimizer states are sharded like their parameter; beta pows are replicated.
+            model_key, suffix = split_optimizer_suffix(key)
+            rule = None if suffix in BETA_POW_SUFFIXES else self.rule_for(model_key)
             axes = rule.axes if rule else {}
             for axis in axes.values():
                 if axis >= len(shape):
