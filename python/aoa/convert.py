@@ -91,11 +91,11 @@ def derived_outputs(statements, source: Mapping, reverse: bool, file: str | None
         tensor = state.outputs[target.key]
         keys = sorted(tensor.source_keys()) if tensor is not None else []
         for suffix in OPTIMIZER_SUFFIXES:
-            states = [source.get(key + suffix) for key in keys]
-            if not keys or not all(states):
+            if not keys or not all(key + suffix in source for key in keys):
                 continue
             if suffix in BETA_POW_SUFFIXES:
-                outputs[target.key + suffix] = (states[0][0].global_shape, states[0][0].dtype)
+                first = source[keys[0] + suffix][0]
+                outputs[target.key + suffix] = (first.global_shape, first.dtype)
                 continue
             dtypes = {result_dtype(piece.ops, source[key + suffix][0].dtype)
                       for key, piece in tensor.pieces()}

@@ -15,8 +15,8 @@ import json
 import math
 import mmap
 import os
-import sys
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,10 +266,8 @@ def _prefault(mapping: mmap.mmap) -> None:
     times faster than when each first touch of a page traps. Older kernels say EINVAL
     (harmless: the pages then fault one by one, as before)."""
     if sys.platform.startswith("linux") and len(mapping):
-        try:
+        with contextlib.suppress(OSError):
             mapping.madvise(_MADV_POPULATE_WRITE)
-        except OSError:
-            pass
 
 
 def _unmap(mapping: mmap.mmap) -> None:
