@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 
 import ml_dtypes
 import numpy as np
@@ -251,6 +252,8 @@ def _no_gpu() -> str | None:
 
 
 NO_GPU = _no_gpu()
+if NO_GPU is not None and os.environ.get("AOA_REQUIRE_CUDA"):  # bench/gpu_check.sh sets it
+    raise RuntimeError(f"AOA_REQUIRE_CUDA is set, but {NO_GPU}")
 gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
 
 

@@ -242,6 +242,9 @@ class CupyTransfer:
         return int(memory.ptr)
 
     def stream(self) -> object:
+        # Work already queued on this device (a framework zero-filling the destinations on
+        # its own stream, say) finishes first: the new stream is not ordered after it.
+        self.cupy.cuda.runtime.deviceSynchronize()
         return self.cupy.cuda.Stream(non_blocking=True)
 
     def to_device(self, pointer: int, host: np.ndarray, stream) -> None:
