@@ -89,7 +89,8 @@ def run_ranks(commands: list[list[str]], torchrun: bool) -> None:
         env.pop("WORLD_SIZE", None)
         if torchrun:
             env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                    "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(commands))}
+                    "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(commands)),
+                    "LOCAL_WORLD_SIZE": str(len(commands))}
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
     outputs = []

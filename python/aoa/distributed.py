@@ -48,6 +48,17 @@ def world(group: object = None) -> tuple[int, int] | None:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def threads_per_rank() -> int | None:
+    """The CPUs of this process shared among the ranks on this machine (torchrun says how
+    many there are in LOCAL_WORLD_SIZE), so that ranks do not fight over cores; None when
+    this is the only one (the kernel then takes every CPU)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if local <= 1:
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // local)
+
+
 def _all_gather(value: object, group: object = None) -> list:
     dist = sys.modules["torch"].distributed
     gathered: list = [None] * dist.get_world_size(group)
@@ -124,6 +135,8 @@ class RankShare:
 
         output = Path(output)
         mine = self.files(conversion)
+        if threads is None and self.collective:
+            threads = threads_per_rank()
         seconds = 0.0
         error: BaseException | None = None
         if self.collective:

@@ -126,6 +126,10 @@ def load(mapping: str | os.PathLike[str] | Sequence[str],
             if plan.destinations[index] != target.desc:  # the compiler keeps their order
                 raise AssertionError(f"plan destination {index} is not {target.desc}")
         start = time.perf_counter()
+        if threads is None and world is not None:
+            from aoa.distributed import threads_per_rank
+
+            threads = threads_per_rank()
         read: dict[int, ShardDesc] = {}
         show = progress and (world is None or world[0] == 0)
         with _progress_bar(sum(t.buffer.nbytes for t in targets), show) as advance:
