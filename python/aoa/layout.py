@@ -28,10 +28,12 @@ class ShardDesc:
     dtype: str | None = None
 
     def __post_init__(self) -> None:
+        """Boxes become tuples and are checked once, here, so passes can trust them."""
         for field_name in ("local_shape", "global_shape", "global_offset"):
             value = getattr(self, field_name)
             if not isinstance(value, tuple):
                 object.__setattr__(self, field_name, tuple(int(v) for v in value))
+        _check_shard(self)
 
     @property
     def numel(self) -> int:
@@ -89,9 +91,10 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
         return None
     result: dict[str, list[ShardDesc]] = {}
     for key, shards in info.items():
-        converted = [_as_shard(shard) for shard in _as_list(shards)]
+        converted = [as_shard(shard) for shard in _as_list(shards)]
         for shard in converted:
-            _check_shard(shard, key, what)
+            if shard.key != key:
+                raise UsageError(f"{what} shard listed under '{key}' describes '{shard.key}'")
         result[key] = converted
     return result
 
@@ -100,7 +103,8 @@ def _as_list(shards) -> Iterable:
     return [shards] if not isinstance(shards, (list, tuple)) else shards
 
 
-def _as_shard(shard) -> ShardDesc:
+def as_shard(shard) -> ShardDesc:
+    """A ShardDesc from one, from Paddle's ShardedWeightDesc, or from a case.json dict."""
     if isinstance(shard, ShardDesc):
         return shard
     if isinstance(shard, Mapping):
@@ -109,18 +113,19 @@ def _as_shard(shard) -> ShardDesc:
                      tuple(shard.global_offset), getattr(shard, "dtype", None))
 
 
-def _check_shard(shard: ShardDesc, key: str, what: str) -> None:
+def _check_shard(shard: ShardDesc) -> None:
+    key = shard.key
     offsets, sizes, totals = shard.global_offset, shard.local_shape, shard.global_shape
     if len(offsets) == len(sizes) == len(totals) and all(
             o >= 0 and n >= 0 and o + n <= t for o, n, t in zip(offsets, sizes, totals)):
         return
     rank = len(shard.global_shape)
     if len(shard.local_shape) != rank or len(shard.global_offset) != rank:
-        raise UsageError(f"{what} shard of '{key}' has local shape {list(shard.local_shape)}, "
+        raise UsageError(f"shard of '{key}' has local shape {list(shard.local_shape)}, "
                          f"global shape {list(shard.global_shape)} and offset "
                          f"{list(shard.global_offset)} of different ranks")
     for axis, (offset, size, total) in enumerate(
             zip(shard.global_offset, shard.local_shape, shard.global_shape)):
         if offset < 0 or size < 0 or offset + size > total:
-            raise UsageError(f"{what} shard of '{key}' reaches past its global shape on axis "
+            raise UsageError(f"shard of '{key}' reaches past its global shape on axis "
                              f"{axis}: offset {offset} + size {size} > {total}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from aoa.layout import ShardDesc, normalize_shard_info
+from aoa.layout import ShardDesc, as_shard, normalize_shard_info
 from aoa.pipeline import analyze
 
 #: Paddle's shard descriptor; the same fields and value semantics.
@@ -46,9 +46,7 @@ class AOAEngine:
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
         planner = self.compilation.planner
-        query = normalize_shard_info({"_": [target]}, "query")
-        assert query is not None
-        target = query["_"][0]
+        target = as_shard(target)
         tensor = planner.tensor_for(target.key)
         entries = planner.answer(target)
         if entries is None or tensor is None:
