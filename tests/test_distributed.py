@@ -71,6 +71,22 @@ def rank_load(source: str, mapping: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def rank_load_refused(source: str, out: str) -> None:
+    """Rank 1 gives a read-only buffer: every rank raises, none waits for another."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    into = buffers_for(layout_ranks(Path(source), MAPPING.read_text())[rank])
+    if rank == 1:
+        into["norm.weight"][0] = aoa.Shard(np.frombuffer(bytes(1024), np.float32), (256,))
+    try:
+        aoa.load(MAPPING, source=source, into=into, progress=False)
+    except aoa.AoaError as error:
+        (Path(out) / f"rank{rank}.txt").write_text(error.message)
+    dist.destroy_process_group()
+
+
 # -- the tests -------------------------------------------------------------------------------
 
 
@@ -156,6 +172,16 @@ def test_two_ranks_load_what_one_process_loads(checkpoints, tmp_path):
         assert info["plan"] == sum(len(r) for r in ranks)  # every rank compiled every shard
 
 
+def test_a_rank_that_cannot_load_stops_every_rank(checkpoints, tmp_path):
+    pytest.importorskip("torch.distributed")
+    hf, _, _ = checkpoints
+    command = [sys.executable, __file__, "load-refused", str(hf), str(tmp_path)]
+    run_ranks([command, command], torchrun=True)
+    own = "the buffer for 'norm.weight' is read-only (numpy array)"
+    assert (tmp_path / "rank1.txt").read_text() == own
+    assert (tmp_path / "rank0.txt").read_text() == f"rank 1 cannot load: {own}"
+
+
 def _intersects(a_offset, a_shape, b_offset, b_shape) -> bool:
     return all(max(a, b) < min(a + n, b + m)
                for a, n, b, m in zip(a_offset, a_shape, b_offset, b_shape))
@@ -235,6 +261,8 @@ def test_rank_options_refused(checkpoints, tmp_path, capsys):
 def main(argv: list[str]) -> None:
     if argv[0] == "load":
         rank_load(*argv[1:])
+    elif argv[0] == "load-refused":
+        rank_load_refused(*argv[1:])
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")
 

@@ -77,7 +77,7 @@ def agree(error: BaseException | None, what: str, group: object = None) -> None:
 
 
 def _describe(error: BaseException) -> str:
-    return error.render() if isinstance(error, AoaError) else f"{type(error).__name__}: {error}"
+    return error.message if isinstance(error, AoaError) else f"{type(error).__name__}: {error}"
 
 
 def gather_shards(local: Sequence[ShardDesc], error: AoaError | None, group: object = None
