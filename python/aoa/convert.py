@@ -24,7 +24,6 @@ from aoa.storage.checkpoint import (
     RankFile,
     ShardSpec,
     SourceCheckpoint,
-    open_source_checkpoint,
     plan_hf_files,
     plan_rank_files,
     write_hf_files,
@@ -226,6 +225,3 @@ def check_output_folder(output: Path) -> None:
         raise StorageError(f"{output}: the output folder already holds a checkpoint",
                            hint="Convert into an empty or new folder.")
 
-
-def open_checkpoint(path: str | Path) -> SourceCheckpoint:
-    return open_source_checkpoint(path)
