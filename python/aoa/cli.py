@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -157,7 +158,8 @@ def cmd_convert(args) -> int:
             if share is not None:
                 share.close()
     rate = nbytes / conversion.seconds / 1e9 if conversion.seconds else 0.0
-    print(f"wrote {len(files)} files ({nbytes / 1e9:.3f} GB) to "
+    plural = "s" if len(files) != 1 else ""
+    print(f"wrote {len(files)} file{plural} ({nbytes / 1e9:.3f} GB) to "
           f"{args.output} in {conversion.seconds:.2f} s, {rate:.2f} GB/s")
     return EXIT_OK
 
@@ -251,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE if exit.code else EXIT_OK
     try:
         return args.run(args)
+    except BrokenPipeError:  # `aoa explain ... | head`: the reader has seen enough
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes it at exit
+        return EXIT_OK
     except UsageError as error:
         print(f"aoa: {error.render()}", file=sys.stderr)
         return EXIT_USAGE
