@@ -66,11 +66,8 @@ def run(program: Program, ctx: CompileContext) -> Program:
     if ctx.destination is None or ctx.reverse:
         return program
     statements = program.statements
-    reads: Counter[str] = Counter()
-    writes: Counter[str] = Counter()
-    for s in statements:
-        reads.update(n.base for n in s.left)
-        writes.update(n.base for n in s.right)
+    reads = Counter([n.base for s in statements for n in s.left])
+    writes = Counter([n.base for s in statements for n in s.right])
     source_signature = _Signatures(ctx.source)
     destination_signature = _Signatures(ctx.destination)
     kept_by_signature: dict[tuple, Statement] = {}
@@ -84,8 +81,8 @@ def run(program: Program, ctx: CompileContext) -> Program:
         # statement it came from); equal names of sources and destinations complete it.
         signature = (id(s.attributes), id(s.written()), len(s.left), len(s.right),
                      tuple([n.text.endswith("^T") for n in s.left]),
-                     tuple(source_signature(n.base) for n in s.left),
-                     tuple(destination_signature(n.text) for n in s.right))
+                     tuple([source_signature(n.base) for n in s.left]),
+                     tuple([destination_signature(n.text) for n in s.right]))
         first = kept_by_signature.get(signature)
         if first is None:
             kept_by_signature[signature] = s
@@ -101,12 +98,16 @@ def run(program: Program, ctx: CompileContext) -> Program:
 
 
 def _independent(s: Statement, reads: Counter, writes: Counter, ctx: CompileContext) -> bool:
+    """Reads only source keys nobody else writes; writes keys nobody else reads or writes."""
     own_reads = {n.base for n in s.left}
     own_writes = {n.text for n in s.right}
     if NOTHING in own_reads or NOTHING in own_writes or len(own_writes) != len(s.right):
         return False
+    source_keys = ctx.source_keys
     for name in own_reads:
-        if name not in ctx.source_keys or writes[name] - (name in own_writes):
+        if name not in source_keys or writes[name] != (name in own_writes):
             return False
-    return all(writes[name] == 1 and reads[name] == (name in own_reads) and
-               not name.endswith("^T") for name in own_writes)
+    for name in own_writes:
+        if writes[name] != 1 or reads[name] != (name in own_reads) or name.endswith("^T"):
+            return False
+    return True
