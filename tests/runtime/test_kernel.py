@@ -171,6 +171,64 @@ def _contiguous_strides(shape, item):
     return tuple(int(s) for s in np.cumprod((1, *shape[:0:-1]))[::-1] * item)
 
 
+#: Extents just below, at and above the AVX2 block sides (4, 8, 16 rows; 8, 16, 32 columns)
+#: and the 128-item tile.
+NEAR_BLOCKS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 131)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.sampled_from(["uint8", "bfloat16", "int16", "float32", "float64"]),
+       st.integers(1, 3))
+def test_transposes_near_block_edges_match_the_reference(data, dtype, threads):
+    # Outer axes in any order, the last two swapped: an exact transpose of the inner pair.
+    # Source lines and destination rows padded by a few items, and offsets that break
+    # every alignment.
+    item = itemsize(dtype)
+    outer = data.draw(st.lists(st.integers(1, 3), max_size=3))
+    shape = (*outer, data.draw(st.sampled_from(NEAR_BLOCKS)),
+             data.draw(st.sampled_from(NEAR_BLOCKS)))
+    ndim = len(shape)
+    order = [*data.draw(st.permutations(range(ndim - 2))), ndim - 1, ndim - 2]
+    strides, stride = [0] * ndim, item
+    for k, axis in enumerate(reversed(order)):
+        strides[axis] = stride
+        stride *= shape[axis] + (data.draw(st.integers(0, 3)) if k == 0 else 0)
+    source_offset = data.draw(st.integers(0, 2 * item))
+    row = (shape[-1] + data.draw(st.integers(0, 3))) * item
+    destination_strides = (*_contiguous_strides((*shape[:-1], row // item), item)[:-2], row,
+                           item)
+    destination_offset = data.draw(st.integers(0, 64))
+    destination_size = destination_offset + int(np.prod(shape[:-1])) * row
+    copy = Copy(0, source_offset, tuple(strides), 0, destination_offset, destination_strides,
+                shape, dtype, dtype)
+    run_both([copy], [random_bytes(7, source_offset + stride, dtype)],
+             [random_bytes(8, destination_size, "uint8")], threads=threads)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "uint8"])
+@pytest.mark.parametrize("destination_offset", [0, 16, 40, 2])
+def test_large_transposes_match_the_reference(dtype, destination_offset):
+    # Over 16 MiB of destination, rows 8 KiB apart: streamed stores, the columns before the
+    # first 64-byte line through rows (none when the offset is not a multiple of the item).
+    item = itemsize(dtype)
+    rows, columns = 2053, 8192 // item - 3
+    copy = Copy(0, 0, (item, rows * item), 0, destination_offset, (8192, item),
+                (rows, columns), dtype, dtype)
+    run_both([copy], [random_bytes(9, rows * columns * item, dtype)],
+             [random_bytes(10, destination_offset + rows * 8192, "uint8")],
+             threads=1 + destination_offset % 3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_batched_transposes_match_the_reference(dtype):
+    item = itemsize(dtype)
+    batch, rows, columns = 2, 1031, 8192 // item - 1
+    copy = Copy(0, 0, (rows * columns * item, item, rows * item), 0, 16,
+                (rows * 8192, 8192, item), (batch, rows, columns), dtype, dtype)
+    run_both([copy], [random_bytes(11, batch * rows * columns * item, dtype)],
+             [random_bytes(12, 16 + batch * rows * 8192, "uint8")], threads=2)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_many_small_copies_are_shared_over_threads(threads):
     # 600 rows of 256 float32 into bfloat16, each its own copy, reversed in order.
