@@ -1,0 +1,67 @@
+"""Compiling template instances once (share_instances) changes no plan: the same copies as
+expanding every instance, also when instances differ in layout or feed later statements."""
+
+from __future__ import annotations
+
+import pytest
+
+import aoa
+from aoa.pipeline import analyze
+
+
+def sharded(key, shape, count, axis, dtype="float32"):
+    step = shape[axis] // count
+    shards = []
+    for i in range(count):
+        local, offset = list(shape), [0] * len(shape)
+        local[axis], offset[axis] = step, i * step
+        shards.append(aoa.ShardDesc(key, tuple(local), tuple(shape), tuple(offset), dtype))
+    return shards
+
+
+def model(layers, experts):
+    source, destination = {}, {}
+    for layer in range(layers):
+        for expert in range(experts):
+            # layer 1 is stored in 4 shards and in bfloat16: its instances must not share
+            count, dtype = (4, "bfloat16") if layer == 1 else (2, "float32")
+            for name in ("gate", "up"):
+                key = f"m.{layer}.e.{expert}.{name}"
+                source[key] = sharded(key, (8, 4), count, 0, dtype)
+            key = f"d.{layer}.e.{expert}.up_gate"
+            destination[key] = sharded(key, (4, 16), 2 if expert % 2 else 4, 1, dtype)
+        source[f"m.{layer}.norm"] = sharded(f"m.{layer}.norm", (4,), 1, 0)
+        destination[f"d.{layer}.norm"] = sharded(f"d.{layer}.norm", (4,), 1, 0, "bfloat16")
+        destination[f"t.{layer}"] = sharded(f"t.{layer}", (4,), 1, 0, "bfloat16")
+    return source, destination
+
+
+PROGRAMS = {
+    "fused": ["m.$LAYER_ID.e.$EXPERT_ID.gate^T, m.$LAYER_ID.e.$EXPERT_ID.up^T -> "
+              "d.$LAYER_ID.e.$EXPERT_ID.up_gate, fused_ffn",
+              "m.$LAYER_ID.norm -> d.$LAYER_ID.norm, dtype='bfloat16'",
+              "m.$LAYER_ID.norm -> t.$LAYER_ID, dtype='bfloat16'"],
+    "temporaries": ["m.$LAYER_ID.e.$EXPERT_ID.gate^T, m.$LAYER_ID.e.$EXPERT_ID.up^T -> "
+                    "tmp.$LAYER_ID.e.$EXPERT_ID, fused_ffn",
+                    "tmp.$LAYER_ID.e.$EXPERT_ID -> d.$LAYER_ID.e.$EXPERT_ID.up_gate",
+                    "m.$LAYER_ID.norm -> n.$LAYER_ID",
+                    "n.$LAYER_ID -> d.$LAYER_ID.norm, dtype='bfloat16'",
+                    "n.$LAYER_ID -> t.$LAYER_ID, dtype='bfloat16'"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_shared_and_expanded_plans_are_equal(name):
+    source, destination = model(3, 3)
+    shared = analyze(PROGRAMS[name], source, destination)
+    full = analyze(PROGRAMS[name], source, destination, share=False)
+    assert full.ctx.facts["shared"] == []
+    if name == "fused":
+        assert len(shared.ctx.facts["shared"]) > 0
+    a, b = shared.plan(), full.plan()
+    assert a.destinations == b.destinations
+    def copies(plan):
+        return sorted(repr((plan.sources[c.source], c._replace(source=0))) for c in plan.copies)
+
+    assert copies(a) == copies(b)
+    assert len(a.copies) == len(b.copies) > 0
