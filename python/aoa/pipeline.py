@@ -96,4 +96,5 @@ def compile(statements: str | Sequence[str], source: Mapping[str, Sequence[Shard
     ``source`` and ``destination`` map keys to shard descriptions (``destination=None``:
     derive the outputs, as Paddle's full export does); ``reverse`` runs the program
     backwards (Paddle's ``aoa_config_reverse``)."""
-    return analyze(statements, source, destination, reverse=reverse, file=file).plan()
+    with _collector_paused():
+        return analyze(statements, source, destination, reverse=reverse, file=file).plan()
