@@ -1,6 +1,8 @@
-"""Every worked case of the spec's examples (copied to tests/golden/examples): the bytes
-produced through the Paddle drop-in and through aoa.compile + the numpy executor must be
-the expected ones; error and refuse cases must raise an AoaError."""
+"""Every worked case of the spec's examples (copied to tests/golden/examples), and
+realistic model mappings whose bytes were frozen from PaddlePaddle 3.3.1's own answers
+(tests/golden/paddle_crosscheck, made with bench/paddle_reference.py): the bytes produced
+through the Paddle drop-in and through aoa.compile + the numpy executor must be the expected
+ones; error and refuse cases must raise an AoaError."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from aoa.compat.paddle import AOAEngine
 from aoa.dtypes import numpy_dtype
 from aoa.runtime import reference
 
-EXAMPLES = Path(__file__).parent / "golden" / "examples"
-CASES = sorted(p.name for p in EXAMPLES.iterdir() if (p / "case.json").is_file())
+GOLDEN = Path(__file__).parent / "golden"
+CASES = sorted(f"{folder}/{p.name}" for folder in ("examples", "paddle_crosscheck")
+               for p in (GOLDEN / folder).iterdir() if (p / "case.json").is_file())
 
 
 def load_case(name: str):
-    case = json.loads((EXAMPLES / name / "case.json").read_text())
-    with np.load(EXAMPLES / name / "arrays.npz") as npz:
+    case = json.loads((GOLDEN / name / "case.json").read_text())
+    with np.load(GOLDEN / name / "arrays.npz") as npz:
         bf16 = set(case["bfloat16_as_uint16"])
         arrays = {k: npz[k].view(ml_dtypes.bfloat16) if k in bf16 else npz[k] for k in npz.files}
     return case, arrays
