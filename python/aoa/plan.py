@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
-from aoa.runtime.copies import Copy
+from aoa.runtime.copies import Copy, c_strides
 
 FORMAT = "aoa-plan/1"
 
@@ -57,14 +57,6 @@ class PlannedCopy(NamedTuple):
                    None if order is None else tuple(order), tuple(casts))
 
 
-def _strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
-    strides, step = [], item
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
 @dataclass
 class Plan:
     sources: list[ShardDesc]
@@ -81,8 +73,8 @@ class Plan:
         for c in self.copies if copies is None else copies:
             src, dst = self.sources[c.source], self.destinations[c.destination]
             src_dtype, dst_dtype = src.dtype or "float32", dst.dtype or "float32"
-            src_strides = _strides(src.local_shape, itemsize(src_dtype))
-            dst_strides = _strides(dst.local_shape, itemsize(dst_dtype))
+            src_strides = c_strides(src.local_shape, itemsize(src_dtype))
+            dst_strides = c_strides(dst.local_shape, itemsize(dst_dtype))
             src_offset = sum(a * b for a, b in zip(c.source_start, src_strides))
             dst_offset = sum(a * b for a, b in zip(c.destination_start, dst_strides))
             if c.order is not None:

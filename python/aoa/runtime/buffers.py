@@ -20,6 +20,7 @@ import numpy as np
 
 from aoa.dtypes import NUMPY_DTYPES, itemsize
 from aoa.errors import UsageError
+from aoa.runtime.copies import c_strides
 
 _NAME_OF_NUMPY: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
 
@@ -184,7 +185,7 @@ def _from_cuda_array_interface(buffer, what: str) -> DeviceBuffer:
     if readonly:
         raise UsageError(f"{what} is read-only (__cuda_array_interface__)")
     strides = interface.get("strides")
-    if strides is not None and tuple(strides) != _c_strides(shape, numpy_dtype.itemsize):
+    if strides is not None and tuple(strides) != c_strides(shape, numpy_dtype.itemsize):
         raise UsageError(f"{what} is strided (__cuda_array_interface__); aoa fills "
                          "contiguous buffers")
     return DeviceBuffer(shape, dtype, int(pointer), _device_of(int(pointer)),
@@ -205,14 +206,6 @@ def _from_dlpack(buffer, what: str) -> Adapted:
         return _from_cupy(cupy.from_dlpack(buffer), what)
     raise UsageError(f"{what} is on DLPack device type {device_type}; aoa fills CPU and "
                      "CUDA buffers")
-
-
-def _c_strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
-    strides, step = [], item
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def _device_of(pointer: int) -> int:

@@ -29,3 +29,12 @@ class Copy:
     source_dtype: str
     destination_dtype: str
     via: tuple[str, ...] = ()
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Byte strides of a C-contiguous array of ``shape``."""
+    strides, step = [], itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
