@@ -328,13 +328,13 @@ def select_outputs(state: SymbolicState, ctx: CompileContext) -> None:
 def run(program: Program, ctx: CompileContext) -> Program:
     state = _Machine(ctx).run(program)
     for instance in ctx.facts.get("shared", ()):
-        for kept_key, own_key in instance.writes:
+        for kept_key, own_key in instance.writes(ctx.destination_keys):
             tensor = state.outputs.get(kept_key)
             if tensor is None:
                 continue
-            renames = instance.renames
+            renames = instance.renames()
             state.outputs[own_key] = Tensor(tensor.layout,
-                                            tuple(renames.get(k, k) for k in tensor.keys),
+                                            tuple([renames.get(k, k) for k in tensor.keys]),
                                             tensor.dtype, name=own_key)
             state.writers[own_key] = instance.statement
     select_outputs(state, ctx)

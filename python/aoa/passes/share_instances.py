@@ -13,21 +13,28 @@ and source layout) does the rest. The result is the same as expanding every inst
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from aoa.ir import NOTHING, Program, Statement
 from aoa.layout import SHARD_COUNT_SUFFIXES, ShardDesc, split_optimizer_suffix
 from aoa.passes.context import CompileContext
 
 
-@dataclass(frozen=True)
-class SharedInstance:
-    """``statement`` is compiled as ``kept`` with ``renames`` (kept source key -> its own)."""
+class SharedInstance(NamedTuple):
+    """``statement`` is compiled as ``kept``: kept names map position by position to its own
+    (a NamedTuple: a big model has tens of thousands)."""
 
     statement: Statement
     kept: Statement
-    renames: dict[str, str]
-    writes: tuple[tuple[str, str], ...]  # (kept destination key, own destination key)
+
+    def renames(self) -> dict[str, str]:
+        """Kept source key -> this instance's."""
+        return {a.base: b.base for a, b in zip(self.kept.left, self.statement.left)}
+
+    def writes(self, destination_keys) -> list[tuple[str, str]]:
+        """(kept destination key, this instance's) for the destination keys it writes."""
+        return [(a.text, b.text) for a, b in zip(self.kept.right, self.statement.right)
+                if b.text in destination_keys]
 
 
 def _layout(shards: list[ShardDesc] | None):
@@ -54,9 +61,10 @@ class _Signatures:
     def __call__(self, key: str) -> int:
         found = self.of.get(key)
         if found is None:
-            states = tuple(sorted((suffix, _layout(shards))
-                                  for suffix, shards in self.states.get(key, ())))
-            layout = (_layout(self.info.get(key)), states)
+            states = self.states.get(key)
+            layout = (_layout(self.info.get(key)),
+                      tuple(sorted((suffix, _layout(shards)) for suffix, shards in states))
+                      if states else ())
             found = self.of[key] = self.ids.setdefault(layout, len(self.ids))
         return found
 
@@ -88,10 +96,7 @@ def run(program: Program, ctx: CompileContext) -> Program:
             kept_by_signature[signature] = s
             kept.append(s)
             continue
-        shared.append(SharedInstance(
-            s, first, {a.base: b.base for a, b in zip(first.left, s.left)},
-            tuple((a.text, b.text) for a, b in zip(first.right, s.right)
-                  if b.text in ctx.destination_keys)))
+        shared.append(SharedInstance(s, first))
     if not shared:
         return program
     return Program(tuple(kept))
