@@ -23,14 +23,7 @@ import numpy as np
 
 from aoa.runtime import cpp_backend
 from aoa.runtime.copies import Copy
-
-
-def contiguous(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
-    strides, stride = [], item
-    for extent in reversed(shape):
-        strides.append(stride)
-        stride *= extent
-    return tuple(reversed(strides))
+from aoa.runtime.copies import c_strides as contiguous
 
 
 def side_by_side(

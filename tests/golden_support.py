@@ -13,22 +13,14 @@ import json
 import os
 from pathlib import Path
 
+from sharding import sharded
+
 from aoa.layout import ShardDesc
 
 
 def shards(key: str, spec: dict) -> list[ShardDesc]:
-    shape = tuple(spec["shape"])
-    count, axis = spec.get("shards", 1), spec.get("axis", 0)
-    step = shape[axis] // count if shape else 0
-    result = []
-    for i in range(count):
-        local = list(shape)
-        offset = [0] * len(shape)
-        if shape:
-            local[axis], offset[axis] = step, i * step
-        result.append(ShardDesc(key, tuple(local), shape, tuple(offset),
-                                spec.get("dtype", "float32")))
-    return result
+    return sharded(key, spec["shape"], spec.get("shards", 1), spec.get("axis", 0),
+                   spec.get("dtype", "float32"))
 
 
 def layout(specs: dict | None) -> dict | None:

@@ -6,20 +6,11 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sharding import sharded
 
 import aoa
 import aoa.dtypes
 from aoa.runtime import reference
-
-
-def sharded(key, shape, count, axis, dtype):
-    step = shape[axis] // count
-    shards = []
-    for i in range(count):
-        local, offset = list(shape), [0] * len(shape)
-        local[axis], offset[axis] = step, i * step
-        shards.append(aoa.ShardDesc(key, tuple(local), tuple(shape), tuple(offset), dtype))
-    return shards
 
 
 def divisors(n):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sharding import sharded
 
 import aoa
 from aoa.runtime import reference
@@ -29,16 +30,6 @@ SOURCES = {
 }
 
 
-def shards(key, shape, count, axis):
-    step = shape[axis] // count
-    result = []
-    for i in range(count):
-        local, offset = list(shape), [0] * len(shape)
-        local[axis], offset[axis] = step, i * step
-        result.append(aoa.ShardDesc(key, tuple(local), tuple(shape), tuple(offset), "float32"))
-    return result
-
-
 def gather(plan, outputs):
     whole = {}
     for shard, array in zip(plan.destinations, outputs):
@@ -53,9 +44,9 @@ def gather(plan, outputs):
 def test_reverse_undoes_forward(name, tp):
     rng = np.random.default_rng(tp)
     tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in SOURCES[name].items()}
-    source = {k: shards(k, s, 1, 0) for k, s in SOURCES[name].items()}
+    source = {k: sharded(k, s, 1, 0) for k, s in SOURCES[name].items()}
     produced = aoa.pipeline.analyze(PROGRAMS[name], source, None).planner.targets()
-    destination = {t.key: shards(t.key, t.global_shape, tp, len(t.global_shape) - 1)
+    destination = {t.key: sharded(t.key, t.global_shape, tp, len(t.global_shape) - 1)
                    for t in produced}
     forward = aoa.compile(PROGRAMS[name], source, destination)
     loaded = gather(forward, reference.run_plan_on_arrays(forward, tensors))

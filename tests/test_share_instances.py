@@ -4,19 +4,9 @@ expanding every instance, also when instances differ in layout or feed later sta
 from __future__ import annotations
 
 import pytest
+from sharding import sharded
 
-import aoa
 from aoa.pipeline import analyze
-
-
-def sharded(key, shape, count, axis, dtype="float32"):
-    step = shape[axis] // count
-    shards = []
-    for i in range(count):
-        local, offset = list(shape), [0] * len(shape)
-        local[axis], offset[axis] = step, i * step
-        shards.append(aoa.ShardDesc(key, tuple(local), tuple(shape), tuple(offset), dtype))
-    return shards
 
 
 def model(layers, experts):
