@@ -155,11 +155,15 @@ class Planner:
         for source_key, ops in reads:
             shards = self.ctx.source.get(source_key)
             if not shards:
+                states = sorted(k for k in self.ctx.source
+                                if split_optimizer_suffix(k)[0] == source_key)
+                hint = (f"The source holds only optimizer states of '{source_key}' "
+                        f"({', '.join(states)}), not the parameter itself." if states else
+                        "Optimizer states follow their parameter only where the source has "
+                        "them; give the destination no such key, or add it to the source.")
                 raise ValidationError(
                     f"destination {_describe(target)} needs '{source_key}', which the "
-                    "source does not have", self._writer_span(target),
-                    hint="Optimizer states follow their parameter only where the source has "
-                         "them; give the destination no such key, or add it to the source.")
+                    "source does not have", self._writer_span(target), hint=hint)
             produced = result_dtype(ops, shards[0].dtype)
             if target.dtype is not None and produced is not None and produced != target.dtype:
                 how = "is cast to" if any(isinstance(op, str) for op in ops) else "is"
