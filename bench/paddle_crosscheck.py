@@ -286,6 +286,46 @@ def opt_states() -> Case:
     return ["w^T -> v"], source, destination
 
 
+def alias_into_destination() -> Case:
+    source = layout(sharded("a", [2, 2]))
+    return ["a -> b, axis=1"], source, layout(sharded("b", [2, 2]))
+
+
+def underscore_in_split() -> Case:
+    return ["a -> _, b, axis=0"], layout(sharded("a", [4, 2])), None
+
+
+def delete_intermediate() -> Case:
+    return ["a -> t", "t -> _"], layout(sharded("a", [2, 2])), None
+
+
+def full_export_order() -> Case:
+    source = layout(sharded("a", [4]), sharded("b", [2]), sharded("c", [3]))
+    return ["a -> t", "t -> u, v, axis=0"], source, None
+
+
+def rename_chain() -> Case:
+    source = layout(sharded("a", [4, 2], 2, 0))
+    return ["a -> b", "b -> c", "c -> d"], source, layout(sharded("d", [4, 2], 2, 1))
+
+
+def split_reuse() -> Case:
+    destination = layout(sharded("p", [2, 2]), sharded("q", [2, 2]), sharded("r", [2, 2]))
+    statements = ["s -> x, y, axis=1", "x -> p", "x -> q", "y^T -> r"]
+    return statements, layout(sharded("s", [2, 4])), destination
+
+
+def star_full_export() -> Case:
+    source = layout(*(sharded(f"l.{i}.w", [1, 2]) for i in range(3)))
+    return ["l.*.w -> all, axis=0"], source, None
+
+
+def expert_template() -> Case:
+    source = layout(*(sharded(f"e.{i}.w", [2, 3]) for i in range(3)))
+    destination = layout(*(sharded(f"f.{i}.w", [3, 2], 3, 0) for i in range(3)))
+    return ["e.$EXPERT_ID.w^T -> f.$EXPERT_ID.w"], source, destination
+
+
 # The order is that of the random stream: a new case goes at the end.
 CASES: dict[str, Callable[[], Case]] = {
     "qwen3_tp2": lambda: qwen3(tensor_parallel=2),
@@ -305,6 +345,14 @@ CASES: dict[str, Callable[[], Case]] = {
     "array_split": array_split,
     "permute3d_tp": permute3d_tp,
     "opt_states": opt_states,
+    "alias_into_destination": alias_into_destination,
+    "underscore_in_split": underscore_in_split,
+    "delete_intermediate": delete_intermediate,
+    "full_export_order": full_export_order,
+    "rename_chain": rename_chain,
+    "split_reuse": split_reuse,
+    "star_full_export": star_full_export,
+    "expert_template": expert_template,
 }
 
 DESCRIPTIONS = {
@@ -335,6 +383,17 @@ DESCRIPTIONS = {
     "permute3d_tp": "A 3-D permute between differently sharded layouts.",
     "opt_states": "Optimizer states (.moment1_0, .w_0, beta pow) follow a transpose, with "
     "their own destination shardings.",
+    "alias_into_destination": "`a -> b, axis=1` with one name a side is an alias (Q5); with "
+    "a destination b gets a's bytes.",
+    "underscore_in_split": "`_` inside a split is an ordinary name and becomes an output (Q6).",
+    "delete_intermediate": "`t -> _` on an intermediate has no effect without a destination "
+    "(Q7).",
+    "full_export_order": "Without a destination the outputs are the unconsumed inputs, then "
+    "the unconsumed intermediates.",
+    "rename_chain": "Three renames in a row, resharded from rows to columns.",
+    "split_reuse": "One split piece read twice and the other transposed (tied reads).",
+    "star_full_export": "`*` collected into a concat, exported without a destination.",
+    "expert_template": "$EXPERT_ID alone, transposed, into 3 row shards per expert.",
 }
 
 WHY = "Paddle 3.3.1 computes it correctly (policy 0.1); frozen from bench/paddle_reference.py"
