@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 import aoa
+from aoa.dtypes import numpy_dtype
 
 
 def sharded(key, shape, count, axis, dtype="float32") -> list[aoa.ShardDesc]:
@@ -16,3 +19,12 @@ def sharded(key, shape, count, axis, dtype="float32") -> list[aoa.ShardDesc]:
             local[axis], offset[axis] = step, i * step
         shards.append(aoa.ShardDesc(key, tuple(local), shape, tuple(offset), dtype))
     return shards
+
+
+def shard_buffers(shards) -> dict[str, list[aoa.Shard]]:
+    """A buffer (filled with 7s, to show what a load leaves untouched) per shard, by key."""
+    into: dict[str, list[aoa.Shard]] = {}
+    for s in shards:
+        buffer = np.full(s.local_shape, 7, numpy_dtype(s.dtype))
+        into.setdefault(s.key, []).append(aoa.Shard(buffer, s.global_shape, s.global_offset))
+    return into

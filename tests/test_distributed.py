@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sharding import shard_buffers
 
 import aoa
 from aoa import demo
@@ -24,7 +25,6 @@ from aoa.cli import main as cli_main
 from aoa.convert import derived_outputs, source_shard_info
 from aoa.destination_layout import read_layout
 from aoa.distributed import split_files
-from aoa.dtypes import numpy_dtype
 from aoa.storage.checkpoint import open_source_checkpoint
 
 TIMEOUT = 120
@@ -36,14 +36,6 @@ def layout_ranks(source: Path, mapping: list[str] | str):
     with open_source_checkpoint(source) as checkpoint:
         outputs = derived_outputs(mapping, source_shard_info(checkpoint), False, None)
     return read_layout(LAYOUT).shards(outputs)[1]
-
-
-def buffers_for(shards) -> dict[str, list[aoa.Shard]]:
-    into: dict[str, list[aoa.Shard]] = {}
-    for s in shards:
-        buffer = np.full(s.local_shape, 7, numpy_dtype(s.dtype))
-        into.setdefault(s.key, []).append(aoa.Shard(buffer, s.global_shape, s.global_offset))
-    return into
 
 
 def _statements(mapping: str) -> list[str] | str:
@@ -60,7 +52,7 @@ def rank_load(source: str, mapping: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     statements = _statements(mapping)
-    into = buffers_for(layout_ranks(Path(source), statements)[rank])
+    into = shard_buffers(layout_ranks(Path(source), statements)[rank])
     loaded = aoa.load(statements, source=source, into=into, progress=False)
     arrays = {f"{key}@{i}": shard.buffer.reshape(-1).view(np.uint8)
               for key, shards in into.items() for i, shard in enumerate(shards)}
@@ -77,7 +69,7 @@ def rank_load_refused(source: str, out: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    into = buffers_for(layout_ranks(Path(source), MAPPING.read_text())[rank])
+    into = shard_buffers(layout_ranks(Path(source), MAPPING.read_text())[rank])
     if rank == 1:
         into["norm.weight"][0] = aoa.Shard(np.frombuffer(bytes(1024), np.float32), (256,))
     try:
@@ -155,7 +147,7 @@ def test_two_ranks_load_what_one_process_loads(checkpoints, tmp_path):
     command = [sys.executable, __file__, "load", str(hf), str(MAPPING), str(tmp_path)]
     run_ranks([command, command], torchrun=True)
     ranks = layout_ranks(hf, MAPPING.read_text())
-    whole = buffers_for([s for shards in ranks for s in shards])
+    whole = shard_buffers([s for shards in ranks for s in shards])
     aoa.load(MAPPING, source=hf, into=whole, progress=False)
     for rank in range(2):
         expected = demo.expected_shards(tensors, rank)

@@ -9,12 +9,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from sharding import shard_buffers
 
 import aoa
 from aoa import demo
 from aoa.convert import derived_outputs, source_shard_info
 from aoa.destination_layout import read_layout
-from aoa.dtypes import numpy_dtype
 from aoa.storage.checkpoint import open_source_checkpoint
 from aoa.storage.safetensors import TensorSpec, write_safetensors
 
@@ -164,14 +164,6 @@ def llama(tmp_path):
                                   None)
     destination, ranks = read_layout(demo.data_file("llama_tp2.toml")).shards(outputs)
     return tmp_path, hf, mapping, destination, ranks
-
-
-def shard_buffers(shards) -> dict[str, list[aoa.Shard]]:
-    into: dict[str, list[aoa.Shard]] = {}
-    for s in shards:
-        buffer = np.full(s.local_shape, 7, numpy_dtype(s.dtype))
-        into.setdefault(s.key, []).append(aoa.Shard(buffer, s.global_shape, s.global_offset))
-    return into
 
 
 def test_both_tensor_parallel_shards_in_one_process(llama):
