@@ -22,6 +22,7 @@ from aoa.plan import Plan, PlannedCopy
 from aoa.slices import Op, Permute
 
 Box = tuple[int, ...]
+_new_tuple = tuple.__new__
 
 
 class Entry(NamedTuple):
@@ -42,17 +43,27 @@ class Entry(NamedTuple):
         return [op.text if isinstance(op, Permute) else op for op in self.ops]
 
 
-class _Recipe(NamedTuple):
-    """One copy of a destination shard, with its source named by the tensor's slot (which
-    source key) and the position of the shard among that key's distinct shards."""
+class _Read(NamedTuple):
+    """A source shard named by the tensor's slot (which source key) and the position of the
+    shard among that key's distinct shards."""
 
     slot: int
     shard: int
+
+
+class _Recipe(NamedTuple):
+    """One copy of a destination shard, reading ``read``."""
+
+    read: _Read
     destination_start: Box
     shape: Box
     source_start: Box
     order: tuple[int, ...] | None
     casts: tuple[str, ...]
+
+
+#: a _Recipe whose read is a position in its key's list of distinct reads
+_KeyedRecipe = tuple[int, Box, Box, Box, "tuple[int, ...] | None", "tuple[str, ...]"]
 
 
 class _Physical(NamedTuple):
@@ -62,6 +73,34 @@ class _Physical(NamedTuple):
     target_delta: Box
     shape: Box
     source_start: Box  # local to the shard
+
+
+def _runs_of_one_key(shards: Sequence[ShardDesc]) -> list[tuple[int, int]]:
+    """(start, stop) of each run of consecutive shards of the same key."""
+    runs, start = [], 0
+    for index in range(1, len(shards) + 1):
+        if index == len(shards) or shards[index].key != shards[start].key:
+            runs.append((start, index))
+            start = index
+    return runs
+
+
+def _tiling(key: str, boxes: tuple) -> tuple[list[int] | None, tuple]:
+    """Which listed shards are distinct (replicas once) and the layout they make, checked to
+    tile the global shape exactly once; ``boxes`` are (offset, local shape, global shape)."""
+    first = {boxes[i][0]: i for i in reversed(range(len(boxes)))}
+    positions = list(first.values())
+    positions.reverse()
+    distinct = [boxes[i] for i in positions]
+    shape = distinct[0][2]
+    if sum(prod(local) for _, local, _ in distinct) != prod(shape) or any(
+            total != shape for _, _, total in distinct):
+        raise PlanError(f"the shards of source key '{key}' do not tile its global shape "
+                        f"{list(shape)} exactly once",
+                        hint="List every shard of the tensor once, with its global offset.")
+    layout = (shape, tuple([(offset, local) for offset, local, _ in distinct]))
+    return (None if len(positions) == len(boxes) and positions == sorted(positions)
+            else positions), layout
 
 
 def _describe(shard: ShardDesc) -> str:
@@ -83,12 +122,15 @@ class Planner:
         self.state: SymbolicState = ctx.facts["symbolic"]
         self._source_shards: dict[str, list[ShardDesc]] = {}
         self._signatures: dict[str, tuple] = {}
+        #: the boxes of a key's listed shards -> (positions of the distinct ones, or None
+        #: for all; the layout they make): checked once per layout, not once per key
+        self._tilings: dict[tuple, tuple[list[int] | None, tuple]] = {}
         self._physical_memo: dict[tuple, list[_Physical]] = {}
         self._cast_memo: dict[tuple, tuple[str, ...]] = {}
         self._signature_of: dict[str, int] = {}
-        #: (layout, destination box and dtype, source signatures) -> copies; the layouts
-        #: stay alive with the outputs that hold them, so their ids stay unique
-        self._recipe_memo: dict[tuple, list[_Recipe]] = {}
+        #: (layout, suffix, source signatures, the key's shards) -> (reads, copies per
+        #: shard); the layouts stay alive with the outputs that hold them, so ids stay unique
+        self._recipe_memo: dict[tuple, tuple[list[_Read], list[list[_KeyedRecipe]]]] = {}
         self._signature_ids: dict[tuple, int] = {}
 
     # -- answers -------------------------------------------------------------------------
@@ -209,17 +251,14 @@ class Planner:
         shards = self._source_shards.get(key)
         if shards is not None:
             return shards
-        distinct = list({s.global_offset: s for s in reversed(self.ctx.source[key])}.values())
-        distinct.reverse()
-        shape = distinct[0].global_shape
-        if sum(s.numel for s in distinct) != prod(shape) or any(
-                s.global_shape != shape for s in distinct):
-            raise PlanError(f"the shards of source key '{key}' do not tile its global shape "
-                            f"{list(shape)} exactly once",
-                            hint="List every shard of the tensor once, with its global offset.")
+        listed = self.ctx.source[key]
+        boxes = tuple([(s.global_offset, s.local_shape, s.global_shape) for s in listed])
+        tiling = self._tilings.get(boxes)
+        if tiling is None:
+            tiling = self._tilings[boxes] = _tiling(key, boxes)
+        positions, self._signatures[key] = tiling
+        distinct = listed if positions is None else [listed[i] for i in positions]
         self._source_shards[key] = distinct
-        self._signatures[key] = (shape, tuple((s.global_offset, s.local_shape)
-                                              for s in distinct))
         return distinct
 
     def lower_casts(self, ops: Sequence[Op], source_dtype: str | None,
@@ -257,48 +296,69 @@ class Planner:
         return last.pop() if last else tensor.dtype
 
     def plan(self, targets: Sequence[ShardDesc] | None = None) -> Plan:
-        """Copies for every destination shard (or for ``targets``: any boxes of outputs)."""
+        """Copies for every destination shard (or for ``targets``: any boxes of outputs).
+
+        Shards are taken a key at a time: a key's copies are remembered under its tensor's
+        layout, its shards' boxes and its sources' layouts, so the thousands of keys a
+        template makes alike are worked out once and only renamed."""
         destinations = self.targets() if targets is None else list(targets)
         sources: list[ShardDesc] = []
         source_index: dict[tuple[str, Box], int] = {}
         copies: list[PlannedCopy] = []
         untouched: list[int] = []
         removed = self.state.removed
-        by_key: dict[str, tuple] = {}
-        for index, target in enumerate(destinations):
-            known = by_key.get(target.key)
-            if known is None:
-                tensor = self.tensor_for(target.key)
-                suffix = split_optimizer_suffix(target.key)[1] if tensor is not None else None
-                signature = (None if tensor is None else tuple(
-                    [self._signature(k + suffix if suffix else k) for k in tensor.keys]))
-                known = by_key[target.key] = (tensor, suffix, signature)
-            tensor, suffix, signature = known
+        for start, stop in _runs_of_one_key(destinations):
+            key = destinations[start].key
+            tensor = self.tensor_for(key)
             if tensor is None:
-                untouched.append(index)
+                untouched.extend(range(start, stop))
                 continue
-            memo_key = (id(tensor.layout), target.global_offset, target.local_shape,
-                        target.global_shape, target.dtype, suffix, signature)
-            recipes = None if removed else self._recipe_memo.get(memo_key)
-            if recipes is None:
-                recipes = self._recipes(target, tensor, suffix)
-                if not removed:
-                    self._recipe_memo[memo_key] = recipes
+            suffix = split_optimizer_suffix(key)[1]
             keys = tensor.keys
-            for r in recipes:
-                source_key = keys[r.slot] + suffix if suffix else keys[r.slot]
-                shard = self._source_shards[source_key][r.shard]
+            read_keys = [k + suffix for k in keys] if suffix else keys
+            shards = destinations[start:stop]
+            memo_key = (id(tensor.layout), suffix,
+                        tuple([self._signature(k) for k in read_keys]),
+                        tuple([(t.global_offset, t.local_shape, t.global_shape, t.dtype)
+                               for t in shards]))
+            memo = None if removed else self._recipe_memo.get(memo_key)
+            if memo is None:
+                memo = self._key_recipes(shards, tensor, suffix)
+                if not removed:
+                    self._recipe_memo[memo_key] = memo
+            reads, per_shard = memo
+            ids = []
+            for slot, position in reads:
+                source_key = read_keys[slot]
+                shard = self._source_shards[source_key][position]
                 where = (source_key, shard.global_offset)
                 s = source_index.get(where)
                 if s is None:
                     s = source_index[where] = len(sources)
                     sources.append(shard)
-                copies.append(PlannedCopy(index, r.destination_start, r.shape, s,
-                                          r.source_start, r.order, r.casts))
+                ids.append(s)
+            for index, recipes in enumerate(per_shard, start):
+                # tuple.__new__ skips the NamedTuple's Python-level __new__ (189k copies)
+                copies.extend([_new_tuple(PlannedCopy, (index, d, shape, ids[read], s, order,
+                                                        casts))
+                               for read, d, shape, s, order, casts in recipes])
         if targets is None:
             self._note_unused_sources({shard.key for shard in sources})
         notes = [note.render() for note in self.ctx.notes]
         return Plan(sources, destinations, copies, notes, untouched)
+
+    def _key_recipes(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None
+                     ) -> tuple[list[_Read], list[list[_KeyedRecipe]]]:
+        """The copies of one key's shards, with sources as positions in a list of distinct
+        (slot, shard) reads, so that another key laid out alike only renames them."""
+        reads: dict[_Read, int] = {}
+        per_shard = []
+        for target in shards:
+            per_shard.append([
+                (reads.setdefault(r.read, len(reads)), r.destination_start, r.shape,
+                 r.source_start, r.order, r.casts)
+                for r in self._recipes(target, tensor, suffix)])
+        return list(reads), per_shard
 
     def _signature(self, key: str) -> int | None:
         """A small number standing for the key's shard layout and dtype (None: no such key).
@@ -325,7 +385,7 @@ class Planner:
             casts = self._casts(e.ops, shards[0].dtype, target.dtype)
             for physical in self._physical(e, source_key, shards):
                 recipes.append(_Recipe(
-                    e.slot, physical.shard,
+                    _Read(e.slot, physical.shard),
                     tuple(t + d - o for t, d, o in zip(e.target_lo, physical.target_delta,
                                                        offset)),
                     physical.shape, physical.source_start, e.order, casts))
