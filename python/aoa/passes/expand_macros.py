@@ -37,9 +37,28 @@ def _names(statement: Statement) -> tuple[Name, ...]:
     return statement.left + statement.right
 
 
-def _rename(statement: Statement, macro: str, rename) -> Statement:
-    return statement.derive(macro, [rename(n) for n in statement.left],
-                            [rename(n) for n in statement.right], statement.attributes)
+class _IdTemplate:
+    """A name with $LAYER_ID / $EXPERT_ID made ready to fill: a format string, so each of a
+    template's thousands of instances costs one `format_map` (names without one are kept)."""
+
+    __slots__ = ("name", "format")
+
+    def __init__(self, name: Name, placeholders: Sequence[str]) -> None:
+        self.name = name
+        text = name.text
+        self.format: str | None = None
+        if any(p in text for p in placeholders):
+            text = text.replace("{", "{{").replace("}", "}}")
+            for placeholder in placeholders:
+                text = text.replace(placeholder, "{" + placeholder[1:] + "}")
+            self.format = text
+
+    def fill(self, ids: dict[str, str]) -> Name:
+        if self.format is None:
+            return self.name
+        text = self.format.format_map(ids)
+        return Name(text, self.name.span, self.name.array) if text != self.name.text \
+            else self.name
 
 
 class _Expander:
@@ -131,11 +150,15 @@ class _Expander:
         if not combinations:
             self.ctx.note(f"'{pattern.text}' matches no source key: the statement expands to "
                           "nothing", pattern.span)
+        left = [_IdTemplate(n, ordered) for n in statement.left]
+        right = [_IdTemplate(n, ordered) for n in statement.right]
+        fields = [p[1:] for p in ordered]
         result = []
         for combination in combinations:
-            mapping = {p: str(v) for p, v in zip(ordered, combination)}
-            result.append(_rename(statement, "id", lambda n, m=mapping: self._substitute(n, m)
-                                  if "$" in n.text else n))
+            mapping = dict(zip(fields, map(str, combination)))
+            result.append(statement.derive("id", [t.fill(mapping) for t in left],
+                                           [t.fill(mapping) for t in right],
+                                           statement.attributes))
         return result
 
     @staticmethod

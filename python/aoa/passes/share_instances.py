@@ -74,22 +74,26 @@ def run(program: Program, ctx: CompileContext) -> Program:
     if ctx.destination is None or ctx.reverse:
         return program
     statements = program.statements
-    reads = Counter([n.base for s in statements for n in s.left])
+    # each statement's read keys (names without ^T), worked out once: big models have
+    # tens of thousands of instances and every step below needs them
+    bases = [tuple([n.base for n in s.left]) for s in statements]
+    reads = Counter([b for names in bases for b in names])
     writes = Counter([n.base for s in statements for n in s.right])
     source_signature = _Signatures(ctx.source)
     destination_signature = _Signatures(ctx.destination)
+    source_keys = ctx.source_keys
     kept_by_signature: dict[tuple, Statement] = {}
     kept: list[Statement] = []
     shared: list[SharedInstance] = ctx.facts["shared"]
-    for s in statements:
-        if s.origin is None or not _independent(s, reads, writes, ctx):
+    for s, own_reads in zip(statements, bases):
+        if s.origin is None or not _independent(s, own_reads, reads, writes, source_keys):
             kept.append(s)
             continue
         # Instances of one template share their attribute tuple object (and the written
         # statement it came from); equal names of sources and destinations complete it.
         signature = (id(s.attributes), id(s.written()), len(s.left), len(s.right),
-                     tuple([n.text.endswith("^T") for n in s.left]),
-                     tuple([source_signature(n.base) for n in s.left]),
+                     tuple([len(n.text) != len(b) for n, b in zip(s.left, own_reads)]),
+                     tuple([source_signature(b) for b in own_reads]),
                      tuple([destination_signature(n.text) for n in s.right]))
         first = kept_by_signature.get(signature)
         if first is None:
@@ -102,13 +106,12 @@ def run(program: Program, ctx: CompileContext) -> Program:
     return Program(tuple(kept))
 
 
-def _independent(s: Statement, reads: Counter, writes: Counter, ctx: CompileContext) -> bool:
+def _independent(s: Statement, own_reads: tuple[str, ...], reads: Counter, writes: Counter,
+                 source_keys) -> bool:
     """Reads only source keys nobody else writes; writes keys nobody else reads or writes."""
-    own_reads = {n.base for n in s.left}
     own_writes = {n.text for n in s.right}
     if NOTHING in own_reads or NOTHING in own_writes or len(own_writes) != len(s.right):
         return False
-    source_keys = ctx.source_keys
     for name in own_reads:
         if name not in source_keys or writes[name] != (name in own_writes):
             return False
