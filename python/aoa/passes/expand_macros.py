@@ -41,7 +41,7 @@ class _IdTemplate:
     """A name with $LAYER_ID / $EXPERT_ID made ready to fill: a format string, so each of a
     template's thousands of instances costs one `format_map` (names without one are kept)."""
 
-    __slots__ = ("name", "format")
+    __slots__ = ("format", "name")
 
     def __init__(self, name: Name, placeholders: Sequence[str]) -> None:
         self.name = name
