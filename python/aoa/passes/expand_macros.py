@@ -56,9 +56,7 @@ class _IdTemplate:
     def fill(self, ids: dict[str, str]) -> Name:
         if self.format is None:
             return self.name
-        text = self.format.format_map(ids)
-        return Name(text, self.name.span, self.name.array) if text != self.name.text \
-            else self.name
+        return Name(self.format.format_map(ids), self.name.span, self.name.array)
 
 
 class _Expander:

@@ -99,8 +99,7 @@ def _tiling(key: str, boxes: tuple) -> tuple[list[int] | None, tuple]:
                         f"{list(shape)} exactly once",
                         hint="List every shard of the tensor once, with its global offset.")
     layout = (shape, tuple([(offset, local) for offset, local, _ in distinct]))
-    return (None if len(positions) == len(boxes) and positions == sorted(positions)
-            else positions), layout
+    return (None if len(positions) == len(boxes) else positions), layout
 
 
 def _describe(shard: ShardDesc) -> str:
