@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aoa.layout import ShardDesc, model_state_keys
+from aoa.layout import ShardDesc, layout_ids, model_state_keys
 from aoa.source import Span
 
 
@@ -36,6 +36,8 @@ class CompileContext:
     def __post_init__(self) -> None:
         self.source_keys = model_state_keys(self.source)
         self.destination_keys = model_state_keys(self.destination)
+        self.source_layouts = layout_ids(self.source)
+        self.destination_layouts = layout_ids(self.destination)
 
     def note(self, message: str, span: Span | None = None) -> None:
         self.notes.append(Note(message, span))

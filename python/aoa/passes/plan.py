@@ -85,21 +85,19 @@ def _runs_of_one_key(shards: Sequence[ShardDesc]) -> list[tuple[int, int]]:
     return runs
 
 
-def _tiling(key: str, boxes: tuple) -> tuple[list[int] | None, tuple]:
-    """Which listed shards are distinct (replicas once) and the layout they make, checked to
-    tile the global shape exactly once; ``boxes`` are (offset, local shape, global shape)."""
-    first = {boxes[i][0]: i for i in reversed(range(len(boxes)))}
+def _distinct_positions(key: str, shards: Sequence[ShardDesc]) -> list[int] | None:
+    """Which listed shards are distinct (replicas once; None: all), checked to tile the
+    global shape exactly once."""
+    first = {shards[i].global_offset: i for i in reversed(range(len(shards)))}
     positions = list(first.values())
     positions.reverse()
-    distinct = [boxes[i] for i in positions]
-    shape = distinct[0][2]
-    if sum(prod(local) for _, local, _ in distinct) != prod(shape) or any(
-            total != shape for _, _, total in distinct):
+    shape = shards[positions[0]].global_shape
+    if sum(prod(shards[i].local_shape) for i in positions) != prod(shape) or any(
+            shards[i].global_shape != shape for i in positions):
         raise PlanError(f"the shards of source key '{key}' do not tile its global shape "
                         f"{list(shape)} exactly once",
                         hint="List every shard of the tensor once, with its global offset.")
-    layout = (shape, tuple([(offset, local) for offset, local, _ in distinct]))
-    return (None if len(positions) == len(boxes) else positions), layout
+    return None if len(positions) == len(shards) else positions
 
 
 def _describe(shard: ShardDesc) -> str:
@@ -120,17 +118,14 @@ class Planner:
         self.ctx = ctx
         self.state: SymbolicState = ctx.facts["symbolic"]
         self._source_shards: dict[str, list[ShardDesc]] = {}
-        self._signatures: dict[str, tuple] = {}
-        #: the boxes of a key's listed shards -> (positions of the distinct ones, or None
-        #: for all; the layout they make): checked once per layout, not once per key
-        self._tilings: dict[tuple, tuple[list[int] | None, tuple]] = {}
+        #: a source layout id -> positions of its distinct shards (None: all): each layout
+        #: is checked to tile its tensor once, not once per key
+        self._tilings: dict[int, list[int] | None] = {}
         self._physical_memo: dict[tuple, list[_Physical]] = {}
         self._cast_memo: dict[tuple, tuple[str, ...]] = {}
-        self._signature_of: dict[str, int] = {}
-        #: (layout, suffix, source signatures, the key's shards) -> (reads, copies per
+        #: (layout, suffix, source layout ids, the key's shards) -> (reads, copies per
         #: shard); the layouts stay alive with the outputs that hold them, so ids stay unique
         self._recipe_memo: dict[tuple, tuple[list[_Read], list[list[_KeyedRecipe]]]] = {}
-        self._signature_ids: dict[tuple, int] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -251,11 +246,11 @@ class Planner:
         if shards is not None:
             return shards
         listed = self.ctx.source[key]
-        boxes = tuple([(s.global_offset, s.local_shape, s.global_shape) for s in listed])
-        tiling = self._tilings.get(boxes)
-        if tiling is None:
-            tiling = self._tilings[boxes] = _tiling(key, boxes)
-        positions, self._signatures[key] = tiling
+        layout = self.ctx.source_layouts[key]
+        if layout in self._tilings:
+            positions = self._tilings[layout]
+        else:
+            positions = self._tilings[layout] = _distinct_positions(key, listed)
         distinct = listed if positions is None else [listed[i] for i in positions]
         self._source_shards[key] = distinct
         return distinct
@@ -306,6 +301,11 @@ class Planner:
         copies: list[PlannedCopy] = []
         untouched: list[int] = []
         removed = self.state.removed
+        source_layouts = self.ctx.source_layouts.get
+        # planning the declared destination: each run of shards is the whole of its key,
+        # whose layout id then stands for its boxes
+        whole_keys = targets is None and self.ctx.destination is not None
+        destination_layouts = self.ctx.destination_layouts
         for start, stop in _runs_of_one_key(destinations):
             key = destinations[start].key
             tensor = self.tensor_for(key)
@@ -316,8 +316,8 @@ class Planner:
             keys = tensor.keys
             read_keys = [k + suffix for k in keys] if suffix else keys
             shards = destinations[start:stop]
-            memo_key = (id(tensor.layout), suffix,
-                        tuple([self._signature(k) for k in read_keys]),
+            memo_key = (id(tensor.layout), suffix, tuple([source_layouts(k) for k in read_keys]),
+                        destination_layouts[key] if whole_keys else
                         tuple([(t.global_offset, t.local_shape, t.global_shape, t.dtype)
                                for t in shards]))
             memo = None if removed else self._recipe_memo.get(memo_key)
@@ -329,7 +329,7 @@ class Planner:
             ids = []
             for slot, position in reads:
                 source_key = read_keys[slot]
-                shard = self._source_shards[source_key][position]
+                shard = self.source_shards(source_key)[position]
                 where = (source_key, shard.global_offset)
                 s = source_index.get(where)
                 if s is None:
@@ -358,18 +358,6 @@ class Planner:
                  r.source_start, r.order, r.casts)
                 for r in self._recipes(target, tensor, suffix)])
         return list(reads), per_shard
-
-    def _signature(self, key: str) -> int | None:
-        """A small number standing for the key's shard layout and dtype (None: no such key).
-
-        Destination shards whose sources have equal signatures get equal copies."""
-        signature = self._signature_of.get(key)
-        if signature is None and key in self.ctx.source:
-            shards = self.source_shards(key)
-            layout = (self._signatures[key], shards[0].dtype)
-            signature = self._signature_of[key] = self._signature_ids.setdefault(
-                layout, len(self._signature_ids))
-        return signature
 
     def _recipes(self, target: ShardDesc, tensor: Tensor, suffix: str | None) -> list[_Recipe]:
         """Validate one destination shard and work out its copies."""
@@ -404,8 +392,7 @@ class Planner:
                   ) -> list[_Physical]:
         """The reads of ``entry`` from the shards of its source key (remembered per layout
         of the source key, since models repeat them)."""
-        signature = self._signatures[key]
-        memo_key = (entry.source_lo, entry.source_hi, entry.order, signature)
+        memo_key = (entry.source_lo, entry.source_hi, entry.order, self.ctx.source_layouts[key])
         result = self._physical_memo.get(memo_key)
         if result is not None:
             return result

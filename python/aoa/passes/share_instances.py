@@ -16,7 +16,12 @@ from collections import Counter
 from typing import NamedTuple
 
 from aoa.ir import NOTHING, Program, Statement
-from aoa.layout import SHARD_COUNT_SUFFIXES, ShardDesc, split_optimizer_suffix
+from aoa.layout import (
+    OPTIMIZER_SUFFIXES,
+    SHARD_COUNT_SUFFIXES,
+    ShardDesc,
+    split_optimizer_suffix,
+)
 from aoa.passes.context import CompileContext
 
 
@@ -37,36 +42,21 @@ class SharedInstance(NamedTuple):
                 if b.text in destination_keys]
 
 
-def _layout(shards: list[ShardDesc] | None):
-    """Shards listed in the same order with the same boxes and dtype compare equal."""
-    if not shards:
-        return None
-    return shards[0].dtype, tuple([(s.global_offset, s.local_shape, s.global_shape)
-                                   for s in shards])
-
-
-class _Signatures:
-    """A small number per key standing for the layouts of it and its optimizer states."""
-
-    def __init__(self, info: dict[str, list[ShardDesc]] | None) -> None:
-        self.info = info or {}
-        self.ids: dict[tuple, int] = {}
-        self.of: dict[str, int] = {}
-        self.states: dict[str, list[tuple[str, list[ShardDesc]]]] = {}
-        for key, shards in self.info.items():
+def _signatures(info: dict[str, list[ShardDesc]] | None, layouts: dict[str, int]) -> dict:
+    """Per key, what stands for the layouts of it and its optimizer states: its layout id,
+    paired with its states' ids where the checkpoint holds states of it."""
+    states: dict[str, list[tuple[str, int]]] = {}
+    for key in info or ():
+        if key.endswith(OPTIMIZER_SUFFIXES):
             model_key, suffix = split_optimizer_suffix(key)
             if suffix in SHARD_COUNT_SUFFIXES:
-                self.states.setdefault(model_key, []).append((suffix, shards))
-
-    def __call__(self, key: str) -> int:
-        found = self.of.get(key)
-        if found is None:
-            states = self.states.get(key)
-            layout = (_layout(self.info.get(key)),
-                      tuple(sorted((suffix, _layout(shards)) for suffix, shards in states))
-                      if states else ())
-            found = self.of[key] = self.ids.setdefault(layout, len(self.ids))
-        return found
+                states.setdefault(model_key, []).append((suffix, layouts[key]))
+    if not states:
+        return layouts
+    signatures: dict[str, object] = dict(layouts)
+    for model_key, found in states.items():
+        signatures[model_key] = (layouts.get(model_key), tuple(sorted(found)))
+    return signatures
 
 
 def run(program: Program, ctx: CompileContext) -> Program:
@@ -79,8 +69,8 @@ def run(program: Program, ctx: CompileContext) -> Program:
     bases = [tuple([n.base for n in s.left]) for s in statements]
     reads = Counter([b for names in bases for b in names])
     writes = Counter([n.base for s in statements for n in s.right])
-    source_signature = _Signatures(ctx.source)
-    destination_signature = _Signatures(ctx.destination)
+    source_signature = _signatures(ctx.source, ctx.source_layouts).get
+    destination_signature = _signatures(ctx.destination, ctx.destination_layouts).get
     source_keys = ctx.source_keys
     kept_by_signature: dict[tuple, Statement] = {}
     kept: list[Statement] = []
