@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from aoa.errors import MacroError
-from aoa.ir import Name, Program, Statement
+from aoa.ir import Name, Origin, Program, Statement
 from aoa.passes.context import CompileContext
 
 LAYER_ID_OFFSET = "$LAYER_ID_OFFSET"
@@ -37,26 +37,16 @@ def _names(statement: Statement) -> tuple[Name, ...]:
     return statement.left + statement.right
 
 
-class _IdTemplate:
-    """A name with $LAYER_ID / $EXPERT_ID made ready to fill: a format string, so each of a
-    template's thousands of instances costs one `format_map` (names without one are kept)."""
-
-    __slots__ = ("format", "name")
-
-    def __init__(self, name: Name, placeholders: Sequence[str]) -> None:
-        self.name = name
-        text = name.text
-        self.format: str | None = None
-        if any(p in text for p in placeholders):
-            text = text.replace("{", "{{").replace("}", "}}")
-            for placeholder in placeholders:
-                text = text.replace(placeholder, "{" + placeholder[1:] + "}")
-            self.format = text
-
-    def fill(self, ids: dict[str, str]) -> Name:
-        if self.format is None:
-            return self.name
-        return Name(self.format.format_map(ids), self.name.span, self.name.array)
+def _id_format(name: Name, placeholders: Sequence[str]) -> str | None:
+    """A name with $LAYER_ID / $EXPERT_ID as a format string, so each of a template's
+    thousands of instances costs one `format_map` (None: the name has no placeholder)."""
+    text = name.text
+    if not any(p in text for p in placeholders):
+        return None
+    text = text.replace("{", "{{").replace("}", "}}")
+    for placeholder in placeholders:
+        text = text.replace(placeholder, "{" + placeholder[1:] + "}")
+    return text
 
 
 class _Expander:
@@ -67,11 +57,19 @@ class _Expander:
         self.produced: set[str] = set()  # names written by the statements expanded so far
 
     def expand(self, statement: Statement) -> list[Statement]:
+        names = _names(statement)
+        macros = [self.layer_id_offset, self.ids]
+        # filling in ids and offsets makes no `[a:b]` and no `*`: a statement without them
+        # skips those two macros for all of its (maybe thousands of) instances
+        if any(n.array for n in names):
+            macros.append(self.arrays)
+        if any("*" in n.text for n in names):
+            macros.append(self.stars)
         result = [statement]
-        for macro in (self.layer_id_offset, self.ids, self.arrays, self.stars):
+        for macro in macros:
             result = [out for s in result for out in macro(s)]
-        for s in result:
-            self.produced.update(n.base for n in (s.left if self.ctx.reverse else s.right))
+        self.produced.update([n.base for s in result
+                              for n in (s.left if self.ctx.reverse else s.right)])
         return result
 
     # $LAYER_ID_OFFSET -------------------------------------------------------------------
@@ -144,19 +142,25 @@ class _Expander:
                     hint="All names of a $LAYER_ID / $EXPERT_ID statement must use the same "
                          "placeholders.")
         ordered = sorted(found)
-        combinations = list(itertools.product(*(sorted(values[p]) for p in ordered)))
+        combinations = list(itertools.product(*(list(map(str, sorted(values[p])))
+                                                for p in ordered)))
         if not combinations:
             self.ctx.note(f"'{pattern.text}' matches no source key: the statement expands to "
                           "nothing", pattern.span)
-        left = [_IdTemplate(n, ordered) for n in statement.left]
-        right = [_IdTemplate(n, ordered) for n in statement.right]
+        left = [(_id_format(n, ordered), n) for n in statement.left]
+        right = [(_id_format(n, ordered), n) for n in statement.right]
         fields = [p[1:] for p in ordered]
+        attributes, span = statement.attributes, statement.span
+        origin = Origin("id", statement)  # one for all instances: they share their parent
         result = []
         for combination in combinations:
-            mapping = dict(zip(fields, map(str, combination)))
-            result.append(statement.derive("id", [t.fill(mapping) for t in left],
-                                           [t.fill(mapping) for t in right],
-                                           statement.attributes))
+            ids = dict(zip(fields, combination))
+            result.append(Statement(
+                tuple([n if f is None else Name(f.format_map(ids), n.span, n.array)
+                       for f, n in left]),
+                tuple([n if f is None else Name(f.format_map(ids), n.span, n.array)
+                       for f, n in right]),
+                attributes, span, origin))
         return result
 
     @staticmethod
@@ -176,15 +180,13 @@ class _Expander:
     @staticmethod
     def _match_ids(regex: re.Pattern, pattern: Name, keys: _SortedKeys,
                    values: dict[str, set[int]]) -> bool:
-        prefix = re.split(r"\$EXPERT_ID|\$LAYER_ID", pattern.base, maxsplit=1)[0]
-        matched = False
-        for key in keys.with_prefix(prefix):
-            m = regex.fullmatch(key)
-            if m:
-                matched = True
-                for placeholder, value_set in values.items():
-                    value_set.add(int(m.group(placeholder[1:])))
-        return matched
+        literals = re.split(r"\$EXPERT_ID|\$LAYER_ID", pattern.base)
+        prefix, suffix = literals[0], literals[-1]
+        found = [m.groups() for key in keys.with_prefix(prefix)
+                 if key.endswith(suffix) and (m := regex.fullmatch(key))]
+        for index, value_set in enumerate(values.values()):
+            value_set.update(map(int, {row[index] for row in found}))
+        return bool(found)
 
     # NAME[a:b] ----------------------------------------------------------------------------
     def arrays(self, statement: Statement) -> list[Statement]:
