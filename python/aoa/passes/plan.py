@@ -297,22 +297,29 @@ class Planner:
         template makes alike are worked out once and only renamed."""
         destinations = self.targets() if targets is None else list(targets)
         sources: list[ShardDesc] = []
-        source_index: dict[tuple[str, Box], int] = {}
+        #: source key -> {position among its distinct shards: index in sources}
+        source_index: dict[str, dict[int, int]] = {}
         copies: list[PlannedCopy] = []
         untouched: list[int] = []
         removed = self.state.removed
+        outputs = self.state.outputs
         source_layouts = self.ctx.source_layouts.get
-        # planning the declared destination: each run of shards is the whole of its key,
-        # whose layout id then stands for its boxes
-        whole_keys = targets is None and self.ctx.destination is not None
         destination_layouts = self.ctx.destination_layouts
-        for start, stop in _runs_of_one_key(destinations):
-            key = destinations[start].key
-            tensor = self.tensor_for(key)
+        # planning the declared destination, each key's shards are one run, and its layout
+        # id stands for their boxes
+        declared = self.ctx.destination if targets is None else None
+        whole_keys = declared is not None
+        runs = ([(key, len(shards)) for key, shards in declared.items() if shards]
+                if declared is not None else
+                [(destinations[a].key, b - a) for a, b in _runs_of_one_key(destinations)])
+        stop = 0
+        for key, count in runs:
+            start, stop = stop, stop + count
+            model_key, suffix = split_optimizer_suffix(key)
+            tensor = outputs[model_key] if model_key in outputs else self.tensor_for(key)
             if tensor is None:
                 untouched.extend(range(start, stop))
                 continue
-            suffix = split_optimizer_suffix(key)[1]
             keys = tensor.keys
             read_keys = [k + suffix for k in keys] if suffix else keys
             shards = destinations[start:stop]
@@ -329,12 +336,13 @@ class Planner:
             ids = []
             for slot, position in reads:
                 source_key = read_keys[slot]
-                shard = self.source_shards(source_key)[position]
-                where = (source_key, shard.global_offset)
-                s = source_index.get(where)
+                known = source_index.get(source_key)
+                if known is None:
+                    known = source_index[source_key] = {}
+                s = known.get(position)
                 if s is None:
-                    s = source_index[where] = len(sources)
-                    sources.append(shard)
+                    s = known[position] = len(sources)
+                    sources.append(self.source_shards(source_key)[position])
                 ids.append(s)
             for index, recipes in enumerate(per_shard, start):
                 # tuple.__new__ skips the NamedTuple's Python-level __new__ (189k copies)
