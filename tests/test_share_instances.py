@@ -55,3 +55,18 @@ def test_shared_and_expanded_plans_are_equal(name):
 
     assert copies(a) == copies(b)
     assert len(a.copies) == len(b.copies) > 0
+
+
+def test_an_instance_reading_a_key_twice_is_not_the_pattern_of_others():
+    """Instance (0, 0) reads `a.0.0` twice; instance (0, 1) reads `a.0.1` and `a.1.0`.
+    Renaming the first instance's keys cannot say which `a.0.0` becomes which, so every
+    instance must come out as its own statement says."""
+    keys = [f"{i}.{j}" for i in range(2) for j in range(2)]
+    source = {f"a.{k}": sharded(f"a.{k}", (2, 3), 1, 0) for k in keys}
+    destination = {f"b.{k}": sharded(f"b.{k}", (4, 3), 2, 0) for k in keys}
+    plan = analyze(["a.$LAYER_ID.$EXPERT_ID, a.$EXPERT_ID.$LAYER_ID -> b.$LAYER_ID.$EXPERT_ID, "
+                    "axis=0"], source, destination).plan()
+    read = {(plan.destinations[c.destination].key, plan.destinations[c.destination]
+             .global_offset[0]): plan.sources[c.source].key for c in plan.copies}
+    assert read == {(f"b.{i}.{j}", half): f"a.{j}.{i}" if half else f"a.{i}.{j}"
+                    for i in range(2) for j in range(2) for half in (0, 2)}

@@ -80,9 +80,11 @@ def run(program: Program, ctx: CompileContext) -> Program:
             kept.append(s)
             continue
         # Instances of one template share their attribute tuple object (and the written
-        # statement it came from); equal names of sources and destinations complete it.
+        # statement it came from); equal names of sources and destinations complete it,
+        # and so does which reads name the same key (renaming maps key to key).
         signature = (id(s.attributes), id(s.written()), len(s.left), len(s.right),
                      tuple([len(n.text) != len(b) for n, b in zip(s.left, own_reads)]),
+                     len(own_reads) < 2 or tuple([own_reads.index(b) for b in own_reads]),
                      tuple([source_signature(b) for b in own_reads]),
                      tuple([destination_signature(n.text) for n in s.right]))
         first = kept_by_signature.get(signature)
