@@ -46,7 +46,7 @@ class Tensor:
 class SymbolicState:
     """What shape propagation leaves for planning."""
 
-    inputs: dict[str, Tensor]
+    inputs: InputTensors
     outputs: dict[str, Tensor | None]
     #: every name's latest binding (intermediates)
     bound: dict[str, Tensor] = field(default_factory=dict)
@@ -95,29 +95,68 @@ def identity(tensor: Tensor) -> Tensor:
     return Tensor(tensor.layout, tensor.keys, tensor.dtype)
 
 
-def input_tensors(ctx: CompileContext) -> dict[str, Tensor]:
-    """One tensor per model-state key of the source (spec 6.1, quirk Q15 included)."""
-    inputs: dict[str, Tensor] = {}
-    layouts: dict[tuple[int, ...], slices.Layout] = {}
-    dtype = None
-    for key in sorted(ctx.source):
-        shards = ctx.source[key]
-        model_key, suffix = split_optimizer_suffix(key)
-        shape = tuple(shards[0].global_shape)
-        if suffix is None:
-            dtype = shards[0].dtype
-        if model_key in inputs or suffix in BETA_POW_SUFFIXES:
-            continue
-        inputs[model_key] = Tensor(slices.whole(shape, layouts), (model_key,), dtype,
-                                   name=model_key)
-    return inputs
+class InputTensors:
+    """One tensor per model-state key of the source (spec 6.1, quirk Q15 included), made
+    when first asked for: the instances share_instances set aside never ask for theirs.
+
+    A key the source holds itself gets its own shape and dtype; any other question (a key
+    that only optimizer states stand for, all the items) makes them all in Paddle's order,
+    keeping the tensors already handed out."""
+
+    def __init__(self, ctx: CompileContext) -> None:
+        self._source = ctx.source
+        self._made: dict[str, Tensor] = {}
+        self._layouts: dict[tuple[int, ...], slices.Layout] = {}
+        self._complete = False
+
+    def get(self, key: str) -> Tensor | None:
+        tensor = self._made.get(key)
+        if tensor is None:
+            shards = self._source.get(key)
+            if shards and split_optimizer_suffix(key)[1] is None:
+                tensor = self._made[key] = self._make(key, shards[0].global_shape,
+                                                      shards[0].dtype)
+            elif not self._complete:
+                return self._all().get(key)
+        return tensor
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key) is not None
+
+    def __getitem__(self, key: str) -> Tensor:
+        tensor = self.get(key)
+        if tensor is None:
+            raise KeyError(key)
+        return tensor
+
+    def items(self):
+        return self._all().items()
+
+    def _make(self, key: str, shape, dtype: str | None) -> Tensor:
+        return Tensor(slices.whole(tuple(shape), self._layouts), (key,), dtype, name=key)
+
+    def _all(self) -> dict[str, Tensor]:
+        if not self._complete:
+            made, self._made = self._made, {}
+            dtype = None
+            for key in sorted(self._source):
+                shards = self._source[key]
+                model_key, suffix = split_optimizer_suffix(key)
+                if suffix is None:
+                    dtype = shards[0].dtype
+                if model_key in self._made or suffix in BETA_POW_SUFFIXES:
+                    continue
+                self._made[model_key] = made.get(model_key) or self._make(
+                    model_key, shards[0].global_shape, dtype)
+            self._complete = True
+        return self._made
 
 
 class _Machine:
     def __init__(self, ctx: CompileContext) -> None:
         self.ctx = ctx
         self.reverse = ctx.reverse
-        self.inputs = input_tensors(ctx)
+        self.inputs = InputTensors(ctx)
         self.state = SymbolicState(self.inputs, {})
         self.bound = self.state.bound
         self.destination_keys = ctx.destination_keys
@@ -325,19 +364,39 @@ def select_outputs(state: SymbolicState, ctx: CompileContext) -> None:
     state.outputs = selected
 
 
+def share_outputs(state: SymbolicState, ctx: CompileContext) -> None:
+    """The destination keys of instances set aside by share_instances: the kept instance's
+    tensors with the source keys renamed, read for read (the kept instance's slots and
+    what they read are worked out once for all its followers)."""
+    outputs, writers, destination_keys = state.outputs, state.writers, ctx.destination_keys
+    patterns: dict[int, list[tuple[int, Tensor, list[int], bool]]] = {}
+    for instance in ctx.facts.get("shared", ()):
+        kept = instance.kept
+        pattern = patterns.get(id(kept))
+        if pattern is None:
+            reads = [n.base for n in kept.left]
+            # (position of a write, its tensor, the read each slot of it comes from: a
+            # position in the reads, or past them one in the key itself, kept as it is)
+            pattern = patterns[id(kept)] = [
+                (j, tensor, [reads.index(k) if k in reads else len(reads) + slot
+                             for slot, k in enumerate(tensor.keys)],
+                 not set(tensor.keys) <= set(reads))
+                for j, name in enumerate(kept.right)
+                if (tensor := outputs.get(name.text)) is not None]
+        statement = instance.statement
+        reads = [n.base for n in statement.left]
+        for j, tensor, slots, foreign in pattern:
+            own_key = statement.right[j].text
+            if own_key in destination_keys:
+                names = reads + list(tensor.keys) if foreign else reads
+                outputs[own_key] = Tensor(tensor.layout, tuple([names[i] for i in slots]),
+                                          tensor.dtype, name=own_key)
+                writers[own_key] = statement
+
+
 def run(program: Program, ctx: CompileContext) -> Program:
     state = _Machine(ctx).run(program)
-    for instance in ctx.facts.get("shared", ()):
-        for kept_key, own_key in instance.writes(ctx.destination_keys):
-            tensor = state.outputs.get(kept_key)
-            if tensor is None:
-                continue
-            renames = instance.renames()
-            state.outputs[own_key] = Tensor(tensor.layout,
-                                            tuple([renames.get(k, k) for k in tensor.keys]),
-                                            tensor.dtype, name=own_key)
-            state.writers[own_key] = instance.statement
+    share_outputs(state, ctx)
     select_outputs(state, ctx)
     ctx.facts["symbolic"] = state
     return program
-

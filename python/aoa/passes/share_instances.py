@@ -32,15 +32,6 @@ class SharedInstance(NamedTuple):
     statement: Statement
     kept: Statement
 
-    def renames(self) -> dict[str, str]:
-        """Kept source key -> this instance's."""
-        return {a.base: b.base for a, b in zip(self.kept.left, self.statement.left)}
-
-    def writes(self, destination_keys) -> list[tuple[str, str]]:
-        """(kept destination key, this instance's) for the destination keys it writes."""
-        return [(a.text, b.text) for a, b in zip(self.kept.right, self.statement.right)
-                if b.text in destination_keys]
-
 
 def _signatures(info: dict[str, list[ShardDesc]] | None, layouts: dict[str, int]) -> dict:
     """Per key, what stands for the layouts of it and its optimizer states: its layout id,
