@@ -37,6 +37,13 @@ PROGRAMS = {
                     "m.$LAYER_ID.norm -> n.$LAYER_ID",
                     "n.$LAYER_ID -> d.$LAYER_ID.norm, dtype='bfloat16'",
                     "n.$LAYER_ID -> t.$LAYER_ID, dtype='bfloat16'"],
+    # instance 1 of the t template is read again, so it cannot follow instance 0; 2 can
+    "mixed": ["m.$LAYER_ID.e.$EXPERT_ID.gate^T, m.$LAYER_ID.e.$EXPERT_ID.up^T -> "
+              "d.$LAYER_ID.e.$EXPERT_ID.up_gate, fused_ffn",
+              "m.$LAYER_ID.norm -> t.$LAYER_ID, dtype='bfloat16'",
+              "t.1 -> d.1.norm",
+              "m.0.norm -> d.0.norm, dtype='bfloat16'",
+              "m.2.norm -> d.2.norm, dtype='bfloat16'"],
 }
 
 
@@ -46,8 +53,11 @@ def test_shared_and_expanded_plans_are_equal(name):
     shared = analyze(PROGRAMS[name], source, destination)
     full = analyze(PROGRAMS[name], source, destination, share=False)
     assert full.ctx.facts["shared"] == []
-    if name == "fused":
+    if name in ("fused", "mixed"):
         assert len(shared.ctx.facts["shared"]) > 0
+    if name == "mixed":
+        followers = {i.statement.right[0].text for i in shared.ctx.facts["shared"]}
+        assert "t.2" in followers and "t.1" not in followers
     a, b = shared.plan(), full.plan()
     assert a.destinations == b.destinations
     def copies(plan):

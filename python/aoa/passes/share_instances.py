@@ -12,7 +12,9 @@ and source layout) does the rest. The result is the same as expanding every inst
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from aoa.ir import NOTHING, Program, Statement
@@ -55,38 +57,101 @@ def run(program: Program, ctx: CompileContext) -> Program:
     if ctx.destination is None or ctx.reverse:
         return program
     statements = program.statements
-    # each statement's read keys (names without ^T), worked out once: big models have
-    # tens of thousands of instances and every step below needs them
+    # each statement's read keys (names without ^T) and written names, worked out once:
+    # big models have tens of thousands of instances and every step below needs them
     bases = [tuple([n.base for n in s.left]) for s in statements]
+    texts = [tuple([n.text for n in s.right]) for s in statements]
     reads = Counter([b for names in bases for b in names])
     writes = Counter([n.base for s in statements for n in s.right])
-    source_signature = _signatures(ctx.source, ctx.source_layouts).get
-    destination_signature = _signatures(ctx.destination, ctx.destination_layouts).get
-    source_keys = ctx.source_keys
-    kept_by_signature: dict[tuple, Statement] = {}
-    kept: list[Statement] = []
-    shared: list[SharedInstance] = ctx.facts["shared"]
-    for s, own_reads in zip(statements, bases):
-        if s.origin is None or not _independent(s, own_reads, reads, writes, source_keys):
-            kept.append(s)
-            continue
-        # Instances of one template share their attribute tuple object (and the written
-        # statement it came from); equal names of sources and destinations complete it,
-        # and so does which reads name the same key (renaming maps key to key).
-        signature = (id(s.attributes), id(s.written()), len(s.left), len(s.right),
-                     tuple([len(n.text) != len(b) for n, b in zip(s.left, own_reads)]),
-                     len(own_reads) < 2 or tuple([own_reads.index(b) for b in own_reads]),
-                     tuple([source_signature(b) for b in own_reads]),
-                     tuple([destination_signature(n.text) for n in s.right]))
-        first = kept_by_signature.get(signature)
-        if first is None:
-            kept_by_signature[signature] = s
-            kept.append(s)
-            continue
-        shared.append(SharedInstance(s, first))
-    if not shared:
+    sharing = _Sharing(ctx, reads, writes)
+    for start, stop in _runs_of_one_origin(statements):
+        sharing.take(statements[start:stop], bases[start:stop], texts[start:stop])
+    ctx.facts["shared"] = sharing.shared
+    if not sharing.shared:
         return program
-    return Program(tuple(kept))
+    return Program(tuple(sharing.kept))
+
+
+def _runs_of_one_origin(statements: Sequence[Statement]) -> list[tuple[int, int]]:
+    """(start, stop) of each run of statements made by one expansion (one Origin object:
+    a template's instances); a statement the user wrote is a run of its own."""
+    runs, start = [], 0
+    for index in range(1, len(statements) + 1):
+        if (index == len(statements) or statements[index].origin is None
+                or statements[index].origin is not statements[start].origin):
+            runs.append((start, index))
+            start = index
+    return runs
+
+
+class _Sharing:
+    """Which instances are kept and which follow a kept one, a template's instances at a
+    time: the tests that settle most of them run over all of a template's names at once."""
+
+    def __init__(self, ctx: CompileContext, reads: Counter, writes: Counter) -> None:
+        self.reads, self.writes = reads, writes
+        self.source_keys = ctx.source_keys
+        self.source_signature = _signatures(ctx.source, ctx.source_layouts).get
+        self.destination_signature = _signatures(ctx.destination, ctx.destination_layouts).get
+        self.written_once = {name for name, count in writes.items()
+                             if count == 1 and not name.endswith("^T")}
+        #: what instances have alike -> the signature of their keys -> the kept one
+        self.kept_by_signature: dict[tuple, dict[tuple, Statement]] = {}
+        self.kept: list[Statement] = []
+        self.shared: list[SharedInstance] = []
+
+    def take(self, run: Sequence[Statement], bases: Sequence[tuple[str, ...]],
+             texts: Sequence[tuple[str, ...]]) -> None:
+        if run[0].origin is None:
+            self.kept.extend(run)
+            return
+        if self._all_independent(bases, texts):
+            self._share(run, bases, texts)
+            return
+        independent = [_independent(s, b, self.reads, self.writes, self.source_keys)
+                       for s, b in zip(run, bases)]
+        for is_independent, group in itertools.groupby(range(len(run)),
+                                                       independent.__getitem__):
+            positions = list(group)
+            start, stop = positions[0], positions[-1] + 1
+            if is_independent:
+                self._share(run[start:stop], bases[start:stop], texts[start:stop])
+            else:
+                self.kept.extend(run[start:stop])
+
+    def _all_independent(self, bases, texts) -> bool:
+        """Every instance reads source keys nobody writes and writes keys written once
+        and read by nobody (enough for `_independent` of each, and usual)."""
+        read = [b for names in bases for b in names]
+        written = [t for names in texts for t in names]
+        return (self.source_keys.issuperset(read) and self.writes.keys().isdisjoint(read)
+                and self.written_once.issuperset(written)
+                and self.reads.keys().isdisjoint(written)
+                and NOTHING not in read and NOTHING not in written)
+
+    def _share(self, run: Sequence[Statement], bases, texts) -> None:
+        """Independent instances of one expansion: each is kept, or follows the first kept
+        one whose keys are laid out alike."""
+        first = run[0]
+        # Instances of one expansion share their attribute tuple object and the written
+        # statement they came from, and so their counts of names and where ^T is
+        alike = (id(first.attributes), id(first.written()), len(first.left), len(first.right),
+                 tuple([len(n.text) != len(b) for n, b in zip(first.left, bases[0])]))
+        columns = [list(map(self.source_signature, names)) for names in zip(*bases)]
+        columns += [list(map(self.destination_signature, names)) for names in zip(*texts)]
+        if len(bases[0]) > 1:  # which reads name the same key (renaming maps key to key)
+            columns.append([tuple([names.index(b) for b in names]) for names in bases])
+        if not columns:  # no names to rename: nothing to share
+            self.kept.extend(run)
+            return
+        kept_by_signature = self.kept_by_signature.setdefault(alike, {})
+        for s, signature in zip(run, zip(*columns)):
+            kept = kept_by_signature.get(signature)
+            if kept is None:
+                kept_by_signature[signature] = s
+                self.kept.append(s)
+            else:
+                self.shared.append(SharedInstance(s, kept))
 
 
 def _independent(s: Statement, own_reads: tuple[str, ...], reads: Counter, writes: Counter,
