@@ -1,16 +1,20 @@
 """The Plan: plain data saying, per destination shard, which source bytes to copy where.
 
 It is what `aoa compile` writes, what `aoa explain` describes, and all that the executor
-reads: shard descriptions on both sides and a list of copies with boxes, an axis order
-(permutation) and rounding steps. `kernel_copies()` lowers it to byte offsets and strides.
+reads: shard descriptions on both sides and a sequence of copies with boxes, an axis order
+(permutation) and rounding steps (a CopyTable as planned, a list as read from JSON: they
+compare equal). `kernel_copies()` lowers it to byte offsets and strides.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from math import prod
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
@@ -57,11 +61,80 @@ class PlannedCopy(NamedTuple):
                    None if order is None else tuple(order), tuple(casts))
 
 
+#: one of a key's copies, as the planner memoizes it: (the shard's position among the key's
+#: shards, the read's position among the key's reads, destination_start, shape,
+#: source_start, order, casts)
+KeyedCopy = tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                  "tuple[int, ...] | None", "tuple[str, ...]"]
+
+_new_tuple = tuple.__new__
+
+
+class CopyTable(Sequence[PlannedCopy]):
+    """A plan's copies as the planner makes them: per destination key, its copies with
+    shards and reads as positions (one list shared by every key laid out alike), the
+    key's first destination index and the source index of each read.
+
+    A big model's keys are planned alike by the thousand, so this is a few appends per key
+    where a list would hold a PlannedCopy per copy (189k for L=61, E=256). Rows are made
+    as they are read; the table compares equal to the list of them."""
+
+    __slots__ = ("_blocks", "_ends", "_length")
+
+    def __init__(self) -> None:
+        self._blocks: list[tuple[int, Sequence[KeyedCopy], Sequence[int]]] = []
+        self._ends: list[int] = []
+        self._length = 0
+
+    def add(self, first_destination: int, copies: Sequence[KeyedCopy],
+            sources: Sequence[int]) -> None:
+        self._blocks.append((first_destination, copies, sources))
+        self._length += len(copies)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[PlannedCopy]:
+        for first, copies, sources in self._blocks:
+            # tuple.__new__ skips the NamedTuple's Python-level __new__
+            yield from [_new_tuple(PlannedCopy, (first + k, d, shape, sources[read], s, order,
+                                                 casts))
+                        for k, read, d, shape, s, order, casts in copies]
+
+    @overload
+    def __getitem__(self, index: int) -> PlannedCopy: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[PlannedCopy]: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return list(self)[index]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError("copy index out of range")
+        if len(self._ends) != len(self._blocks):
+            self._ends = list(itertools.accumulate(len(b[1]) for b in self._blocks))
+        block = bisect.bisect_right(self._ends, index)
+        first, copies, sources = self._blocks[block]
+        k, read, d, shape, s, order, casts = copies[index - (self._ends[block]
+                                                             - len(copies))]
+        return PlannedCopy(first + k, d, shape, sources[read], s, order, casts)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (CopyTable, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"CopyTable({len(self)} copies in {len(self._blocks)} keys)"
+
+
 @dataclass
 class Plan:
     sources: list[ShardDesc]
     destinations: list[ShardDesc]
-    copies: list[PlannedCopy]
+    #: a CopyTable as planned, or any sequence (a list when read back from JSON)
+    copies: Sequence[PlannedCopy]
     notes: list[str] = field(default_factory=list)
     #: destination shards declared with `_ -> X`: left as they are, no copy
     untouched: list[int] = field(default_factory=list)

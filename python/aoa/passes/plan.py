@@ -18,11 +18,10 @@ from aoa.errors import PlanError, ValidationError
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
 from aoa.passes.context import CompileContext
 from aoa.passes.propagate_shapes import SymbolicState, Tensor
-from aoa.plan import Plan, PlannedCopy
+from aoa.plan import CopyTable, KeyedCopy, Plan
 from aoa.slices import Op, Permute
 
 Box = tuple[int, ...]
-_new_tuple = tuple.__new__
 
 
 class Entry(NamedTuple):
@@ -61,9 +60,6 @@ class _Recipe(NamedTuple):
     order: tuple[int, ...] | None
     casts: tuple[str, ...]
 
-
-#: a _Recipe whose read is a position in its key's list of distinct reads
-_KeyedRecipe = tuple[int, Box, Box, Box, "tuple[int, ...] | None", "tuple[str, ...]"]
 
 
 class _Physical(NamedTuple):
@@ -125,7 +121,7 @@ class Planner:
         self._cast_memo: dict[tuple, tuple[str, ...]] = {}
         #: (layout, suffix, source layout ids, the key's shards) -> (reads, copies per
         #: shard); the layouts stay alive with the outputs that hold them, so ids stay unique
-        self._recipe_memo: dict[tuple, tuple[list[_Read], list[list[_KeyedRecipe]]]] = {}
+        self._recipe_memo: dict[tuple, tuple[list[_Read], list[KeyedCopy]]] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -299,7 +295,7 @@ class Planner:
         sources: list[ShardDesc] = []
         #: source key -> {position among its distinct shards: index in sources}
         source_index: dict[str, dict[int, int]] = {}
-        copies: list[PlannedCopy] = []
+        copies = CopyTable()
         untouched: list[int] = []
         removed = self.state.removed
         outputs = self.state.outputs
@@ -323,7 +319,7 @@ class Planner:
             keys = tensor.keys
             read_keys = [k + suffix for k in keys] if suffix else keys
             shards = destinations[start:stop]
-            memo_key = (id(tensor.layout), suffix, tuple([source_layouts(k) for k in read_keys]),
+            memo_key = (id(tensor.layout), suffix, tuple(map(source_layouts, read_keys)),
                         destination_layouts[key] if whole_keys else
                         tuple([(t.global_offset, t.local_shape, t.global_shape, t.dtype)
                                for t in shards]))
@@ -332,7 +328,7 @@ class Planner:
                 memo = self._key_recipes(shards, tensor, suffix)
                 if not removed:
                     self._recipe_memo[memo_key] = memo
-            reads, per_shard = memo
+            reads, recipes = memo
             ids = []
             for slot, position in reads:
                 source_key = read_keys[slot]
@@ -344,28 +340,23 @@ class Planner:
                     s = known[position] = len(sources)
                     sources.append(self.source_shards(source_key)[position])
                 ids.append(s)
-            for index, recipes in enumerate(per_shard, start):
-                # tuple.__new__ skips the NamedTuple's Python-level __new__ (189k copies)
-                copies.extend([_new_tuple(PlannedCopy, (index, d, shape, ids[read], s, order,
-                                                        casts))
-                               for read, d, shape, s, order, casts in recipes])
+            copies.add(start, recipes, ids)
         if targets is None:
             self._note_unused_sources({shard.key for shard in sources})
         notes = [note.render() for note in self.ctx.notes]
         return Plan(sources, destinations, copies, notes, untouched)
 
     def _key_recipes(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None
-                     ) -> tuple[list[_Read], list[list[_KeyedRecipe]]]:
+                     ) -> tuple[list[_Read], list[KeyedCopy]]:
         """The copies of one key's shards, with sources as positions in a list of distinct
         (slot, shard) reads, so that another key laid out alike only renames them."""
         reads: dict[_Read, int] = {}
-        per_shard = []
-        for target in shards:
-            per_shard.append([
-                (reads.setdefault(r.read, len(reads)), r.destination_start, r.shape,
-                 r.source_start, r.order, r.casts)
-                for r in self._recipes(target, tensor, suffix)])
-        return list(reads), per_shard
+        recipes: list[KeyedCopy] = []
+        for k, target in enumerate(shards):
+            recipes += [(k, reads.setdefault(r.read, len(reads)), r.destination_start, r.shape,
+                         r.source_start, r.order, r.casts)
+                        for r in self._recipes(target, tensor, suffix)]
+        return list(reads), recipes
 
     def _recipes(self, target: ShardDesc, tensor: Tensor, suffix: str | None) -> list[_Recipe]:
         """Validate one destination shard and work out its copies."""
