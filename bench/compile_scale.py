@@ -12,6 +12,8 @@ Paddle is never imported by this process: it is measured in a subprocess run by 
 of a separate virtual environment (``--paddle-python``, default /work/paddle-venv/bin/python
 when it exists; bench/README.md says how to make it). aoa is measured here; if it cannot be
 imported (from the installed package or from ``python/`` of this checkout) only Paddle runs.
+The two alternate run for run (Paddle, aoa, Paddle, aoa, ...) and each keeps its best, so
+a slow spell of a noisy machine weighs on both alike.
 
     python bench/compile_scale.py                     # default sizes
     python bench/compile_scale.py --quick             # (4,8) and (8,16) only
@@ -257,33 +259,50 @@ def repeats_for(layers: int, experts: int, override: int | None) -> int:
 
 
 def run_paddle_worker(args: argparse.Namespace) -> int:
-    """``--paddle-worker``: measure Paddle for each size, one tagged JSON line per size."""
-    for layers, experts in args.sizes:
-        model = build_model(layers, experts, args.ffn)
-        result = measure_paddle(model, repeats_for(layers, experts, args.repeats))
+    """``--paddle-worker``: for each ``LxE`` line read, one timed Paddle run of that model,
+    answered with one tagged JSON line (so the driver can alternate Paddle and aoa)."""
+    models: dict[tuple[int, int], Model] = {}
+    for line in sys.stdin:
+        layers, experts = parse_sizes(line)[0]
+        if (layers, experts) not in models:
+            models[(layers, experts)] = build_model(layers, experts, args.ffn)
+        result = measure_paddle(models[(layers, experts)], 1)
         print(RESULT_TAG + json.dumps({"size": [layers, experts], **result}), flush=True)
     return 0
 
 
-def paddle_in_subprocess(args: argparse.Namespace) -> dict[tuple[int, int], dict]:
-    command = [args.paddle_python, os.path.abspath(__file__), "--paddle-worker",
-               "--ffn", args.ffn, "--sizes", ",".join(f"{n}x{e}" for n, e in args.sizes)]
-    if args.repeats:
-        command += ["--repeats", str(args.repeats)]
-    print(f"paddle: measuring in a subprocess: {args.paddle_python}", file=sys.stderr)
-    results: dict[tuple[int, int], dict] = {}
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as worker:
-        assert worker.stdout is not None
-        for line in worker.stdout:
+class PaddleWorker:
+    """Paddle's engine timed in a subprocess run by the Paddle environment's python, one run
+    per request: Paddle is imported once and never into this process."""
+
+    def __init__(self, python: str, ffn: str) -> None:
+        command = [python, os.path.abspath(__file__), "--paddle-worker", "--ffn", ffn]
+        print(f"paddle: measuring in a subprocess: {python}", file=sys.stderr)
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+
+    def measure(self, layers: int, experts: int) -> dict | None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        try:
+            self.process.stdin.write(f"{layers}x{experts}\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            return None
+        for line in self.process.stdout:
             if line.startswith(RESULT_TAG):
-                result = json.loads(line[len(RESULT_TAG):])
-                layers, experts = result["size"]
-                results[(layers, experts)] = result
-                print(f"paddle: L={layers} E={experts}: {result['seconds']:.3f} s",
-                      file=sys.stderr)
-    if worker.returncode:
-        print(f"paddle: the worker exited with status {worker.returncode}", file=sys.stderr)
-    return results
+                return json.loads(line[len(RESULT_TAG):])
+        print(f"paddle: the worker exited with status {self.process.wait()}", file=sys.stderr)
+        return None
+
+    def close(self) -> None:
+        if self.process.stdin:
+            self.process.stdin.close()
+        self.process.wait()
+
+
+def best(results: list[dict]) -> dict | None:
+    """The fastest of several runs' results (None if there were none)."""
+    return min(results, key=lambda r: r["seconds"]) if results else None
 
 
 def seconds_text(value: float | None) -> str:
@@ -315,24 +334,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.paddle_worker:
         return run_paddle_worker(args)
 
-    paddle: dict[tuple[int, int], dict] = {}
+    worker = None
     if not args.no_paddle:
         if args.paddle_python:
-            paddle = paddle_in_subprocess(args)
+            worker = PaddleWorker(args.paddle_python, args.ffn)
         else:
             print(f"paddle: skipped (no {PADDLE_PYTHON}; see bench/README.md or pass "
                   "--paddle-python)", file=sys.stderr)
-
     aoa, why_not = (None, "") if args.no_aoa else import_aoa()
     if why_not:
         print(f"aoa: skipped ({why_not})", file=sys.stderr)
+
+    # The two alternate, run for run, so that a slow spell of a noisy machine falls on both.
+    paddle: dict[tuple[int, int], dict] = {}
     ours: dict[tuple[int, int], dict] = {}
-    for layers, experts in args.sizes if aoa else []:
+    for layers, experts in args.sizes:
         model = build_model(layers, experts, args.ffn)
-        ours[(layers, experts)] = measure_aoa(aoa, model, repeats_for(layers, experts,
-                                                                      args.repeats))
-        print(f"aoa: L={layers} E={experts}: {ours[(layers, experts)]['seconds']:.3f} s",
-              file=sys.stderr)
+        paddle_runs, aoa_runs = [], []
+        for _ in range(repeats_for(layers, experts, args.repeats)):
+            if worker is not None and (result := worker.measure(layers, experts)):
+                paddle_runs.append(result)
+            if aoa is not None:
+                aoa_runs.append(measure_aoa(aoa, model, 1))
+        for name, runs, table in (("paddle", paddle_runs, paddle), ("aoa", aoa_runs, ours)):
+            if (fastest := best(runs)) is not None:
+                table[(layers, experts)] = fastest
+                print(f"{name}: L={layers} E={experts}: {fastest['seconds']:.3f} s "
+                      f"(best of {len(runs)})", file=sys.stderr)
+    if worker is not None:
+        worker.close()
 
     header = (f"{'L':>4} {'E':>5} {'src tensors':>12} {'src shards':>11} {'dst shards':>11} "
               f"{'paddle s':>9} {'aoa s':>8} {'ratio':>7} {'paddle us/LE':>13} "
