@@ -109,6 +109,38 @@ def result_dtype(ops: Sequence[Op], source_dtype: str | None) -> str | None:
     return source_dtype
 
 
+class _SourceIndex:
+    """The source shards a plan reads, each listed once, in the order first read.
+
+    Most source keys are read by one destination key only: their shards are appended in
+    one step and remembered as (first index, positions) until another key reads them."""
+
+    def __init__(self, distinct_shards) -> None:
+        self.shards: list[ShardDesc] = []
+        self._distinct_shards = distinct_shards
+        self._of: dict[str, tuple[int, tuple[int, ...]] | dict[int, int]] = {}
+
+    def ids(self, key: str, positions: tuple[int, ...]) -> Sequence[int]:
+        """Plan indices of the shards of ``key`` at ``positions`` among its distinct ones."""
+        known = self._of.get(key)
+        if known is None:
+            first = len(self.shards)
+            self.shards += map(self._distinct_shards(key).__getitem__, positions)
+            self._of[key] = (first, positions)
+            return range(first, first + len(positions))
+        if isinstance(known, tuple):
+            first, listed = known
+            known = self._of[key] = {p: first + i for i, p in enumerate(listed)}
+        ids = []
+        for position in positions:
+            index = known.get(position)
+            if index is None:
+                index = known[position] = len(self.shards)
+                self.shards.append(self._distinct_shards(key)[position])
+            ids.append(index)
+        return ids
+
+
 class Planner:
     def __init__(self, ctx: CompileContext) -> None:
         self.ctx = ctx
@@ -121,7 +153,8 @@ class Planner:
         self._cast_memo: dict[tuple, tuple[str, ...]] = {}
         #: (layout, suffix, source layout ids, the key's shards) -> (reads, copies per
         #: shard); the layouts stay alive with the outputs that hold them, so ids stay unique
-        self._recipe_memo: dict[tuple, tuple[list[_Read], list[KeyedCopy]]] = {}
+        self._recipe_memo: dict[tuple, tuple[list[tuple[int, tuple[int, ...]]],
+                                             list[KeyedCopy]]] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -292,9 +325,7 @@ class Planner:
         layout, its shards' boxes and its sources' layouts, so the thousands of keys a
         template makes alike are worked out once and only renamed."""
         destinations = self.targets() if targets is None else list(targets)
-        sources: list[ShardDesc] = []
-        #: source key -> {position among its distinct shards: index in sources}
-        source_index: dict[str, dict[int, int]] = {}
+        source_index = _SourceIndex(self.source_shards)
         copies = CopyTable()
         untouched: list[int] = []
         removed = self.state.removed
@@ -319,44 +350,52 @@ class Planner:
             keys = tensor.keys
             read_keys = [k + suffix for k in keys] if suffix else keys
             shards = destinations[start:stop]
+            # which slots read the same key: its reads are grouped by key in the memo
+            same = None if len(read_keys) == 1 else tuple(map(read_keys.index, read_keys))
             memo_key = (id(tensor.layout), suffix, tuple(map(source_layouts, read_keys)),
                         destination_layouts[key] if whole_keys else
                         tuple([(t.global_offset, t.local_shape, t.global_shape, t.dtype)
-                               for t in shards]))
+                               for t in shards]), same)
             memo = None if removed else self._recipe_memo.get(memo_key)
             if memo is None:
-                memo = self._key_recipes(shards, tensor, suffix)
+                memo = self._key_recipes(shards, tensor, suffix, same)
                 if not removed:
                     self._recipe_memo[memo_key] = memo
             reads, recipes = memo
-            ids = []
-            for slot, position in reads:
-                source_key = read_keys[slot]
-                known = source_index.get(source_key)
-                if known is None:
-                    known = source_index[source_key] = {}
-                s = known.get(position)
-                if s is None:
-                    s = known[position] = len(sources)
-                    sources.append(self.source_shards(source_key)[position])
-                ids.append(s)
+            if len(reads) == 1:
+                slot, positions = reads[0]
+                ids = source_index.ids(read_keys[slot], positions)
+            else:
+                ids = [i for slot, positions in reads
+                       for i in source_index.ids(read_keys[slot], positions)]
             copies.add(start, recipes, ids)
         if targets is None:
-            self._note_unused_sources({shard.key for shard in sources})
+            self._note_unused_sources({shard.key for shard in source_index.shards})
         notes = [note.render() for note in self.ctx.notes]
-        return Plan(sources, destinations, copies, notes, untouched)
+        return Plan(source_index.shards, destinations, copies, notes, untouched)
 
-    def _key_recipes(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None
-                     ) -> tuple[list[_Read], list[KeyedCopy]]:
-        """The copies of one key's shards, with sources as positions in a list of distinct
-        (slot, shard) reads, so that another key laid out alike only renames them."""
-        reads: dict[_Read, int] = {}
-        recipes: list[KeyedCopy] = []
-        for k, target in enumerate(shards):
-            recipes += [(k, reads.setdefault(r.read, len(reads)), r.destination_start, r.shape,
-                         r.source_start, r.order, r.casts)
-                        for r in self._recipes(target, tensor, suffix)]
-        return list(reads), recipes
+    def _key_recipes(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None,
+                     same: tuple[int, ...] | None
+                     ) -> tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy]]:
+        """The copies of one key's shards, with sources as positions in the key's distinct
+        reads, so that another key laid out alike only renames them.
+
+        The reads are listed per source key, as (the first slot that reads it, positions of
+        its shards read), and numbered in that order; ``same`` gives each slot's first
+        slot of the same key (None: one slot)."""
+        planned = [(k, r) for k, target in enumerate(shards)
+                   for r in self._recipes(target, tensor, suffix)]
+        by_key: dict[int, dict[int, None]] = {}
+        for _, r in planned:
+            slot = r.read.slot if same is None else same[r.read.slot]
+            by_key.setdefault(slot, {})[r.read.shard] = None
+        reads = [(slot, tuple(positions)) for slot, positions in by_key.items()]
+        number = {(slot, p): i for i, (slot, p) in enumerate(
+            [(slot, p) for slot, positions in reads for p in positions])}
+        return reads, [(k, number[r.read.slot if same is None else same[r.read.slot],
+                                  r.read.shard],
+                        r.destination_start, r.shape, r.source_start, r.order, r.casts)
+                       for k, r in planned]
 
     def _recipes(self, target: ShardDesc, tensor: Tensor, suffix: str | None) -> list[_Recipe]:
         """Validate one destination shard and work out its copies."""
