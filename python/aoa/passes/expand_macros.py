@@ -54,7 +54,10 @@ class _Expander:
         self.ctx = ctx
         self.source_keys = _SortedKeys(ctx.source_keys)
         self.destination_keys = _SortedKeys(ctx.destination_keys)
-        self.produced: set[str] = set()  # names written by the statements expanded so far
+        #: the statements expanded so far, of which `produced()` tells the names written
+        self.expanded: list[Statement] = []
+        self._produced: set[str] = set()
+        self._produced_upto = 0  # how many of `expanded` _produced covers
 
     def expand(self, statement: Statement) -> list[Statement]:
         names = _names(statement)
@@ -68,9 +71,17 @@ class _Expander:
         result = [statement]
         for macro in macros:
             result = [out for s in result for out in macro(s)]
-        self.produced.update([n.base for s in result
-                              for n in (s.left if self.ctx.reverse else s.right)])
+        self.expanded += result
         return result
+
+    def produced(self) -> set[str]:
+        """Names written by the statements expanded so far (asked only of a template that
+        matches no source key, so not worked out for every instance)."""
+        new = self.expanded[self._produced_upto:]
+        self._produced.update([n.base for s in new
+                               for n in (s.left if self.ctx.reverse else s.right)])
+        self._produced_upto = len(self.expanded)
+        return self._produced
 
     # $LAYER_ID_OFFSET -------------------------------------------------------------------
     def layer_id_offset(self, statement: Statement) -> list[Statement]:
@@ -130,9 +141,9 @@ class _Expander:
         regex, found = self._id_regex(pattern)
         values: dict[str, set[int]] = {p: set() for p in found}
         matched = self._match_ids(regex, pattern, self.source_keys, values)
-        if not matched and not self.ctx.reverse and self.produced:
+        if not matched and not self.ctx.reverse and (produced := self.produced()):
             # Spec 0.5: a template over temporaries expands over the ids they were made with.
-            self._match_ids(regex, pattern, _SortedKeys(self.produced), values)
+            self._match_ids(regex, pattern, _SortedKeys(produced), values)
         for name in names:
             missing = [p for p in found if p[1:] not in name.text]
             if missing:
@@ -250,5 +261,6 @@ class _Expander:
 
 def run(program: Program, ctx: CompileContext) -> Program:
     expander = _Expander(ctx)
-    return Program(tuple(out for statement in program.statements
-                         for out in expander.expand(statement)))
+    for statement in program.statements:
+        expander.expand(statement)
+    return Program(tuple(expander.expanded))

@@ -383,12 +383,11 @@ def share_outputs(state: SymbolicState, ctx: CompileContext) -> None:
                  not set(tensor.keys) <= set(reads))
                 for j, name in enumerate(kept.right)
                 if (tensor := outputs.get(name.text)) is not None]
-        statement = instance.statement
-        reads = [n.base for n in statement.left]
+        statement, reads = instance.statement, instance.reads
         for j, tensor, slots, foreign in pattern:
             own_key = statement.right[j].text
             if own_key in destination_keys:
-                names = reads + list(tensor.keys) if foreign else reads
+                names = reads + tensor.keys if foreign else reads
                 outputs[own_key] = Tensor(tensor.layout, tuple([names[i] for i in slots]),
                                           tensor.dtype, name=own_key)
                 writers[own_key] = statement

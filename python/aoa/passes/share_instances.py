@@ -29,10 +29,12 @@ from aoa.passes.context import CompileContext
 
 class SharedInstance(NamedTuple):
     """``statement`` is compiled as ``kept``: kept names map position by position to its own
-    (a NamedTuple: a big model has tens of thousands)."""
+    (a NamedTuple: a big model has tens of thousands). ``reads`` are its read keys, the
+    names left of `->` without `^T`."""
 
     statement: Statement
     kept: Statement
+    reads: tuple[str, ...]
 
 
 def _signatures(info: dict[str, list[ShardDesc]] | None, layouts: dict[str, int]) -> dict:
@@ -145,13 +147,13 @@ class _Sharing:
             self.kept.extend(run)
             return
         kept_by_signature = self.kept_by_signature.setdefault(alike, {})
-        for s, signature in zip(run, zip(*columns)):
+        for s, reads, signature in zip(run, bases, zip(*columns)):
             kept = kept_by_signature.get(signature)
             if kept is None:
                 kept_by_signature[signature] = s
                 self.kept.append(s)
             else:
-                self.shared.append(SharedInstance(s, kept))
+                self.shared.append(SharedInstance(s, kept, reads))
 
 
 def _independent(s: Statement, own_reads: tuple[str, ...], reads: Counter, writes: Counter,
