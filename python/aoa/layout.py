@@ -68,7 +68,7 @@ def split_optimizer_suffix(key: str) -> tuple[str, str | None]:
 
 
 def model_state_keys(info: ShardInfo | None) -> frozenset[str]:
-    return frozenset(split_optimizer_suffix(key)[0] for key in info or ())
+    return frozenset([split_optimizer_suffix(key)[0] for key in info or ()])
 
 
 def shard_count(info: ShardInfo | None, key: str) -> tuple[int | None, dict[str, int]]:
@@ -101,7 +101,8 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
         return None
     result: dict[str, list[ShardDesc]] = {}
     for key, shards in info.items():
-        converted = [as_shard(shard) for shard in _as_list(shards)]
+        converted = [shard if type(shard) is ShardDesc else as_shard(shard)
+                     for shard in _as_list(shards)]
         for shard in converted:
             if shard.key != key:
                 raise UsageError(f"{what} shard listed under '{key}' describes '{shard.key}'")

@@ -9,6 +9,7 @@ shard counts (`^T`, `fused_*`) run later, after the chains are resolved (expand_
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import re
 from collections.abc import Iterable, Sequence
@@ -52,12 +53,18 @@ def _id_format(name: Name, placeholders: Sequence[str]) -> str | None:
 class _Expander:
     def __init__(self, ctx: CompileContext) -> None:
         self.ctx = ctx
-        self.source_keys = _SortedKeys(ctx.source_keys)
-        self.destination_keys = _SortedKeys(ctx.destination_keys)
         #: the statements expanded so far, of which `produced()` tells the names written
         self.expanded: list[Statement] = []
         self._produced: set[str] = set()
         self._produced_upto = 0  # how many of `expanded` _produced covers
+
+    @functools.cached_property
+    def source_keys(self) -> _SortedKeys:
+        return _SortedKeys(self.ctx.source_keys)
+
+    @functools.cached_property
+    def destination_keys(self) -> _SortedKeys:  # sorted only when a `*` asks
+        return _SortedKeys(self.ctx.destination_keys)
 
     def expand(self, statement: Statement) -> list[Statement]:
         names = _names(statement)
