@@ -165,21 +165,24 @@ class _Expander:
         if not combinations:
             self.ctx.note(f"'{pattern.text}' matches no source key: the statement expands to "
                           "nothing", pattern.span)
-        left = [(_id_format(n, ordered), n) for n in statement.left]
-        right = [(_id_format(n, ordered), n) for n in statement.right]
         fields = [p[1:] for p in ordered]
+        filled = [dict(zip(fields, combination)) for combination in combinations]
+
+        def column(name: Name) -> list[Name]:
+            """The name in every instance, one template name at a time."""
+            template = _id_format(name, ordered)
+            if template is None:
+                return [name] * len(filled)
+            return [Name(text, name.span, name.array)
+                    for text in map(template.format_map, filled)]
+
+        # both sides hold a name at least (the grammar's), so zip makes every instance
+        lefts = zip(*map(column, statement.left))
+        rights = zip(*map(column, statement.right))
         attributes, span = statement.attributes, statement.span
         origin = Origin("id", statement)  # one for all instances: they share their parent
-        result = []
-        for combination in combinations:
-            ids = dict(zip(fields, combination))
-            result.append(Statement(
-                tuple([n if f is None else Name(f.format_map(ids), n.span, n.array)
-                       for f, n in left]),
-                tuple([n if f is None else Name(f.format_map(ids), n.span, n.array)
-                       for f, n in right]),
-                attributes, span, origin))
-        return result
+        return [Statement(left, right, attributes, span, origin)
+                for left, right in zip(lefts, rights)]
 
     @staticmethod
     def _id_regex(pattern: Name) -> tuple[re.Pattern, list[str]]:
