@@ -101,8 +101,7 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
         return None
     result: dict[str, list[ShardDesc]] = {}
     for key, shards in info.items():
-        converted = [shard if type(shard) is ShardDesc else as_shard(shard)
-                     for shard in _as_list(shards)]
+        converted = [as_shard(shard) for shard in _as_list(shards)]
         for shard in converted:
             if shard.key != key:
                 raise UsageError(f"{what} shard listed under '{key}' describes '{shard.key}'")

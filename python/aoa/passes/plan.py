@@ -8,8 +8,10 @@ for every destination shard into a Plan and refuses what would produce wrong dat
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from math import prod
+from operator import attrgetter
 from typing import NamedTuple
 
 from aoa import slices
@@ -69,16 +71,6 @@ class _Physical(NamedTuple):
     target_delta: Box
     shape: Box
     source_start: Box  # local to the shard
-
-
-def _runs_of_one_key(shards: Sequence[ShardDesc]) -> list[tuple[int, int]]:
-    """(start, stop) of each run of consecutive shards of the same key."""
-    runs, start = [], 0
-    for index in range(1, len(shards) + 1):
-        if index == len(shards) or shards[index].key != shards[start].key:
-            runs.append((start, index))
-            start = index
-    return runs
 
 
 def _distinct_positions(key: str, shards: Sequence[ShardDesc]) -> list[int] | None:
@@ -338,7 +330,8 @@ class Planner:
         whole_keys = declared is not None
         runs = ([(key, len(shards)) for key, shards in declared.items() if shards]
                 if declared is not None else
-                [(destinations[a].key, b - a) for a, b in _runs_of_one_key(destinations)])
+                [(key, len(list(run))) for key, run in itertools.groupby(destinations,
+                                                                           attrgetter("key"))])
         stop = 0
         for key, count in runs:
             start, stop = stop, stop + count
@@ -383,19 +376,18 @@ class Planner:
         The reads are listed per source key, as (the first slot that reads it, positions of
         its shards read), and numbered in that order; ``same`` gives each slot's first
         slot of the same key (None: one slot)."""
-        planned = [(k, r) for k, target in enumerate(shards)
+        # each copy with its read as (the first slot of its source key, shard position)
+        planned = [(k, (r.read.slot if same is None else same[r.read.slot], r.read.shard), r)
+                   for k, target in enumerate(shards)
                    for r in self._recipes(target, tensor, suffix)]
         by_key: dict[int, dict[int, None]] = {}
-        for _, r in planned:
-            slot = r.read.slot if same is None else same[r.read.slot]
-            by_key.setdefault(slot, {})[r.read.shard] = None
+        for _, (slot, position), _ in planned:
+            by_key.setdefault(slot, {})[position] = None
         reads = [(slot, tuple(positions)) for slot, positions in by_key.items()]
-        number = {(slot, p): i for i, (slot, p) in enumerate(
+        number = {read: i for i, read in enumerate(
             [(slot, p) for slot, positions in reads for p in positions])}
-        return reads, [(k, number[r.read.slot if same is None else same[r.read.slot],
-                                  r.read.shard],
-                        r.destination_start, r.shape, r.source_start, r.order, r.casts)
-                       for k, r in planned]
+        return reads, [(k, number[read], r.destination_start, r.shape, r.source_start,
+                        r.order, r.casts) for k, read, r in planned]
 
     def _recipes(self, target: ShardDesc, tensor: Tensor, suffix: str | None) -> list[_Recipe]:
         """Validate one destination shard and work out its copies."""
