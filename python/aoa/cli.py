@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aoa.errors import AoaError, UsageError
 from aoa.layout import ShardDesc
+from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
 from aoa.pipeline import Compilation, analyze
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
@@ -63,11 +64,11 @@ def read_shard_info(path: str | None, what: str) -> dict[str, list[ShardDesc]] |
                          f"global_offset and dtype ({error})") from None
 
 
-def _compilation(args, share: bool = True) -> Compilation:
+def _compilation(args, passes: Sequence[Pass] = PIPELINE) -> Compilation:
     statements, reverse, file = read_mapping(args.mapping)
     return analyze(statements, read_shard_info(args.source, "source") or {},
                    read_shard_info(args.destination, "destination"),
-                   reverse=reverse or args.reverse, file=file, share=share)
+                   reverse=reverse or args.reverse, file=file, passes=passes)
 
 
 def cmd_compile(args) -> int:
@@ -84,7 +85,9 @@ def cmd_compile(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    compilation = _compilation(args, share=False)
+    # every template instance in full, and nothing planned unless asked
+    compilation = _compilation(args, tuple(p for p in through(propagate_shapes)
+                                           if p is not share_instances))
     print("# statements after macro expansion")
     for statement in compilation.program.statements:
         written = statement.written()
@@ -94,7 +97,7 @@ def cmd_explain(args) -> int:
         print(f"{statement}{via}")
     print()
     print("# destination keys and their pieces")
-    state = compilation.ctx.facts["symbolic"]
+    state = compilation.tensors
     for key, tensor in state.outputs.items():
         if tensor is None:
             print(f"{key}: declared empty (`_ -> {key}`), left as it is")

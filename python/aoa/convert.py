@@ -15,6 +15,7 @@ from pathlib import Path
 from aoa.destination_layout import MeshLayout
 from aoa.errors import StorageError, UsageError
 from aoa.layout import BETA_POW_SUFFIXES, OPTIMIZER_SUFFIXES, ShardDesc
+from aoa.passes import propagate_shapes, through
 from aoa.passes.plan import result_dtype
 from aoa.pipeline import analyze
 from aoa.plan import Plan
@@ -82,13 +83,16 @@ def derived_outputs(statements, source: Mapping, reverse: bool, file: str | None
                     ) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """Key -> (shape, dtype) of every output the program makes when no destination is given,
     with the optimizer states that follow it: a state every source of the output has."""
-    compilation = analyze(statements, source, None, reverse=reverse, file=file)
-    state = compilation.ctx.facts["symbolic"]
+    compilation = analyze(statements, source, None, reverse=reverse, file=file,
+                          passes=through(propagate_shapes))
+    made = compilation.tensors.outputs
     outputs = {}
-    for target in compilation.planner.targets():
+    for target in compilation.destination_shards():
         outputs[target.key] = (target.global_shape, target.dtype)
-        tensor = state.outputs[target.key]
-        keys = sorted(tensor.source_keys()) if tensor is not None else []
+        tensor = made[target.key]
+        if tensor is None:
+            continue
+        keys = sorted(tensor.source_keys())
         for suffix in OPTIMIZER_SUFFIXES:
             if not keys or not all(key + suffix in source for key in keys):
                 continue

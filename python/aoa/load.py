@@ -25,6 +25,7 @@ from typing import Any
 
 from aoa.errors import AoaError, UsageError, ValidationError
 from aoa.layout import ShardDesc, split_optimizer_suffix
+from aoa.passes import propagate_shapes, through
 from aoa.pipeline import analyze
 from aoa.plan import Plan
 from aoa.runtime.buffers import Adapted, DeviceBuffer, HostBuffer, adapt
@@ -249,10 +250,10 @@ def _check_keys(statements, source_info, destination: Mapping[str, Sequence[Shar
                 reverse: bool, file: str | None) -> None:
     """Every buffer is for a tensor the mapping makes, with its global shape and dtype,
     and every tensor it makes has a buffer (optimizer states are optional)."""
-    compilation = analyze(statements, source_info, None, reverse=reverse, file=file)
-    planner = compilation.planner
-    outputs = planner.state.outputs
-    made = {t.key: t for t in planner.targets()}
+    compilation = analyze(statements, source_info, None, reverse=reverse, file=file,
+                          passes=through(propagate_shapes))
+    outputs = compilation.tensors.outputs
+    made = {t.key: t for t in compilation.destination_shards()}
     for key, shards in destination.items():
         model_key, suffix = split_optimizer_suffix(key)
         if model_key not in outputs:
