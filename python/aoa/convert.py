@@ -16,7 +16,6 @@ from aoa.destination_layout import MeshLayout
 from aoa.errors import StorageError, UsageError
 from aoa.layout import BETA_POW_SUFFIXES, OPTIMIZER_SUFFIXES, ShardDesc
 from aoa.passes import propagate_shapes, through
-from aoa.passes.plan import result_dtype
 from aoa.pipeline import analyze
 from aoa.plan import Plan
 from aoa.runtime.executor import PlanExecutor
@@ -32,6 +31,7 @@ from aoa.storage.checkpoint import (
     write_sharded_checkpoint,
 )
 from aoa.storage.safetensors import TensorSpec
+from aoa.symbolic import dtype_after
 
 DEFAULT_MAX_FILE_BYTES = 5 * 10**9
 
@@ -100,7 +100,7 @@ def derived_outputs(statements, source: Mapping, reverse: bool, file: str | None
                 first = source[keys[0] + suffix][0]
                 outputs[target.key + suffix] = (first.global_shape, first.dtype)
                 continue
-            dtypes = {result_dtype(piece.ops, source[key + suffix][0].dtype)
+            dtypes = {dtype_after(piece.ops, source[key + suffix][0].dtype)
                       for key, piece in tensor.pieces()}
             if len(dtypes) == 1:
                 outputs[target.key + suffix] = (target.global_shape, dtypes.pop())
