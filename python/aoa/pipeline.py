@@ -70,6 +70,14 @@ def _collector_paused():
             gc.enable()
 
 
+def new_context(source: Mapping, destination: Mapping | None = None, reverse: bool = False
+                ) -> CompileContext:
+    """The context of one compile: the shard descriptions (ShardDesc, Paddle's descriptors
+    or JSON dicts), checked, and the direction."""
+    return CompileContext(normalize_shard_info(source, "source") or {},
+                          normalize_shard_info(destination, "destination"), reverse)
+
+
 def run_passes(ir: Any, ctx: CompileContext, passes: Sequence[Pass],
                after_pass: AfterPass | None = None) -> Any:
     """``ir`` through each of ``passes`` in turn, calling ``after_pass`` after each."""
@@ -91,8 +99,7 @@ def analyze(statements: str | Sequence[str], source: Mapping, destination: Mappi
     ``passes`` may leave out share_instances (every template instance expanded in full) and
     stop after propagate_shapes (nothing planned until asked); they start with parse."""
     with _collector_paused():
-        ctx = CompileContext(normalize_shard_info(source, "source") or {},
-                             normalize_shard_info(destination, "destination"), reverse)
+        ctx = new_context(source, destination, reverse)
         result = run_passes(texts(statements, file=file), ctx, passes, after_pass)
     if isinstance(result, PlannedProgram):
         return Compilation(ctx, result.tensors, result.plan)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 from operator import attrgetter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS, is_exact_widening
@@ -23,7 +23,11 @@ from aoa.errors import PlanError, ValidationError
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
 from aoa.passes.context import CompileContext
 from aoa.plan import CopyTable, KeyedCopy, Plan
+from aoa.printer import shard_region
 from aoa.symbolic import Box, Entry, Op, SymbolicTensors, Tensor, dtype_after
+
+if TYPE_CHECKING:
+    from aoa.printer import Printer
 
 NAME = "plan"
 
@@ -76,8 +80,7 @@ def _distinct_positions(key: str, shards: Sequence[ShardDesc]) -> list[int] | No
 
 
 def _describe(shard: ShardDesc) -> str:
-    region = ", ".join(f"{o}:{o + n}" for o, n in zip(shard.global_offset, shard.local_shape))
-    return f"'{shard.key}' [{region}]"
+    return f"'{shard.key}' [{shard_region(shard)}]"
 
 
 class _SourceIndex:
@@ -122,6 +125,11 @@ class PlannedProgram:
 
     tensors: SymbolicTensors
     plan: Plan
+
+    def print(self, printer: Printer) -> None:
+        """The plan, then the notes the compiler made on the way."""
+        printer.print_plan(self.plan)
+        printer.print_notes(self.plan.notes)
 
 
 def run(tensors: SymbolicTensors, ctx: CompileContext) -> PlannedProgram:
