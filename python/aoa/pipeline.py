@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from aoa.ir import Program
-from aoa.layout import ShardDesc, normalize_shard_info
+from aoa.layout import BETA_POW_SUFFIXES, OPTIMIZER_SUFFIXES, ShardDesc, normalize_shard_info
 from aoa.passes import (
     expand_fused,
     expand_macros,
@@ -22,7 +22,7 @@ from aoa.passes import (
 )
 from aoa.passes.context import CompileContext
 from aoa.passes.parse import parse
-from aoa.passes.plan import Planner
+from aoa.passes.plan import Planner, result_dtype
 from aoa.plan import Plan
 
 PASSES: tuple[tuple[str, Callable[[Program, CompileContext], Program]], ...] = (
@@ -48,6 +48,37 @@ class Compilation:
     def plan(self, targets: Sequence[ShardDesc] | None = None) -> Plan:
         with _collector_paused():
             return self.planner.plan(targets)
+
+    def outputs(self) -> dict[str, ShardDesc | None]:
+        """Every tensor the program makes, whole, by key (global shape, and the dtype its
+        casts make); None for a key declared with `_ -> key` (left as it is)."""
+        made = {target.key: target for target in self.planner.targets()}
+        return {key: made.get(key) for key in self.planner.state.outputs}
+
+    def derived_outputs(self) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """Key -> (global shape, dtype) of every output the program makes when no
+        destination is given, with the optimizer states that follow it: a state that
+        every source of the output has (a shard layout is derived from these)."""
+        source = self.ctx.source
+        outputs = {}
+        for target in self.planner.targets():
+            outputs[target.key] = (target.global_shape, target.dtype)
+            tensor = self.planner.state.outputs[target.key]
+            if tensor is None:  # not a target: declared with `_ -> key`
+                continue
+            keys = sorted(tensor.source_keys())
+            for suffix in OPTIMIZER_SUFFIXES:
+                if not keys or not all(key + suffix in source for key in keys):
+                    continue
+                if suffix in BETA_POW_SUFFIXES:
+                    first = source[keys[0] + suffix][0]
+                    outputs[target.key + suffix] = (first.global_shape, first.dtype)
+                    continue
+                dtypes = {result_dtype(piece.ops, source[key + suffix][0].dtype)
+                          for key, piece in tensor.pieces()}
+                if len(dtypes) == 1:
+                    outputs[target.key + suffix] = (target.global_shape, dtypes.pop())
+        return outputs
 
 
 @contextlib.contextmanager
