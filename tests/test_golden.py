@@ -19,7 +19,7 @@ def printed_passes(path: Path) -> str:
     text, source, destination, reverse = load(path)
     out: list[str] = []
 
-    def after(name, program, ctx):
+    def after(name, program, ctx, seconds):
         if name in ("expand_macros", "expand_fused"):
             out.append(f"== {name}")
             out.extend(str(s) for s in program.statements)
@@ -27,7 +27,7 @@ def printed_passes(path: Path) -> str:
     compilation = analyze(text, source, destination, reverse=reverse, file=path.name,
                           after_pass=after)
     out.append("== outputs")
-    for key, tensor in compilation.ctx.facts["symbolic"].outputs.items():
+    for key, tensor in compilation.tensors.outputs.items():
         if tensor is None:
             out.append(f"{key}: empty")
             continue

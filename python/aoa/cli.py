@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aoa.errors import AoaError, UsageError
 from aoa.mapping import read_mapping, read_shard_info
+from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
 from aoa.pipeline import Compilation, analyze
 from aoa.storage.formats import FORMAT_NAMES
 from aoa.storage.huggingface import DEFAULT_MAX_FILE_BYTES
@@ -18,11 +19,11 @@ from aoa.storage.huggingface import DEFAULT_MAX_FILE_BYTES
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
 
-def _compilation(args, share: bool = True) -> Compilation:
+def _compilation(args, passes: Sequence[Pass] = PIPELINE) -> Compilation:
     statements, reverse, file = read_mapping(args.mapping)
     return analyze(statements, read_shard_info(args.source, "source") or {},
                    read_shard_info(args.destination, "destination"),
-                   reverse=reverse or args.reverse, file=file, share=share)
+                   reverse=reverse or args.reverse, file=file, passes=passes)
 
 
 def cmd_compile(args) -> int:
@@ -39,7 +40,9 @@ def cmd_compile(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    compilation = _compilation(args, share=False)
+    # every template instance in full, and nothing planned unless asked
+    compilation = _compilation(args, tuple(p for p in through(propagate_shapes)
+                                           if p is not share_instances))
     print("# statements after macro expansion")
     for statement in compilation.program.statements:
         written = statement.written()
@@ -49,7 +52,7 @@ def cmd_explain(args) -> int:
         print(f"{statement}{via}")
     print()
     print("# destination keys and their pieces")
-    state = compilation.ctx.facts["symbolic"]
+    state = compilation.tensors
     for key, tensor in state.outputs.items():
         if tensor is None:
             print(f"{key}: declared empty (`_ -> {key}`), left as it is")

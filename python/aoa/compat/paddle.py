@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from aoa.layout import ShardDesc, as_shard, normalize_shard_info
+from aoa.passes import PIPELINE, propagate_shapes, through
+from aoa.passes.plan import Planner
 from aoa.pipeline import analyze
 
 #: Paddle's shard descriptor; the same fields and value semantics.
@@ -38,14 +40,15 @@ class AOAEngine:
         self.reverse = bool(aoa_config.get("aoa_config_reverse", False))
         self.source = normalize_shard_info(source_state_shard_info, "source") or {}
         self.destination = normalize_shard_info(destination_state_shard_info, "destination")
-        self.compilation = analyze(self.statements, self.source, self.destination,
-                                   reverse=self.reverse)
-        if self.destination is not None:
-            # Refuse wrong programs before any byte moves, not at the query that hits them.
-            self.compilation.plan()
+        # With a destination, every shard is planned: wrong programs are refused before
+        # any byte moves, not at the query that hits them.
+        self.compilation = analyze(
+            self.statements, self.source, self.destination, reverse=self.reverse,
+            passes=PIPELINE if self.destination is not None else through(propagate_shapes))
+        self._planner = Planner(self.compilation.tensors, self.compilation.ctx)
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
-        planner = self.compilation.planner
+        planner = self._planner
         target = as_shard(target)
         tensor = planner.tensor_for(target.key)
         entries = planner.answer(target)

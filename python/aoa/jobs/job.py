@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from aoa.layout import ShardDesc
 from aoa.mapping import MappingText
+from aoa.passes import PIPELINE, propagate_shapes, through
 from aoa.pipeline import Compilation, analyze
 from aoa.plan import Plan
 from aoa.runtime.executor import PlanExecutor
@@ -35,18 +36,25 @@ ShardInfo = Mapping[str, Sequence[ShardDesc]]
 
 
 def compile_mapping(mapping: MappingText, source: ShardInfo,
-                    destination: ShardInfo | None = None) -> Compilation:
+                    destination: ShardInfo | None = None, *, plan: bool = True
+                    ) -> Compilation:
     """Run the passes over ``mapping`` against the source's shards (and the destination's,
-    when they are known)."""
+    when they are known); ``plan=False`` stops before planning (to ask what it makes)."""
     return analyze(mapping.statements, source, destination, reverse=mapping.reverse,
-                   file=mapping.file)
+                   file=mapping.file, passes=PIPELINE if plan else through(propagate_shapes))
+
+
+def outputs(mapping: MappingText, source: ShardInfo) -> dict[str, ShardDesc | None]:
+    """What ``mapping`` makes on its own (no destination given), whole, by key; None for a
+    key declared with `_ -> key`."""
+    return compile_mapping(mapping, source, plan=False).outputs()
 
 
 def derived_outputs(mapping: MappingText, source: ShardInfo
                     ) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """Key -> (global shape, dtype) of what ``mapping`` makes with no destination given,
     optimizer states included: what a mesh layout is applied to."""
-    return compile_mapping(mapping, source).derived_outputs()
+    return compile_mapping(mapping, source, plan=False).derived_outputs()
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from aoa.errors import AoaError, UsageError, ValidationError
-from aoa.jobs.job import Job, ShardInfo, compile_mapping, plan_job
+from aoa.jobs.job import Job, ShardInfo, outputs, plan_job
 from aoa.layout import ShardDesc, split_optimizer_suffix
 from aoa.mapping import MappingText, as_mapping
 from aoa.plan import Plan
@@ -113,7 +113,7 @@ def load(mapping: str | os.PathLike[str] | Sequence[str] | MappingText,
         _check_coverage(destination, world is not None)
     with opened(source, source_format) as checkpoint:
         start = time.perf_counter()
-        _check_keys(compile_mapping(text, checkpoint.shards).outputs(), destination)
+        _check_keys(outputs(text, checkpoint.shards), destination)
         job = plan_job(text, checkpoint, destination)
         compiled = time.perf_counter() - start
         plan = job.plan

@@ -1,9 +1,11 @@
-"""What every pass may consult: the shard information, the direction, and a place for notes."""
+"""What every pass may consult: the shard information, the direction, and a place for notes.
+
+Results one pass hands to a later one travel in the IR, typed (`Program.shared`,
+`ChainedProgram.chains`, `SymbolicTensors`), not here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from aoa.layout import ShardDesc, layout_ids, model_state_keys
 from aoa.source import Span
@@ -30,8 +32,6 @@ class CompileContext:
     destination: dict[str, list[ShardDesc]] | None
     reverse: bool = False
     notes: list[Note] = field(default_factory=list)
-    #: Results that later passes need besides the IR (for example the chains).
-    facts: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.source_keys = model_state_keys(self.source)

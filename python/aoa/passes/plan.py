@@ -1,15 +1,18 @@
 """Plan: for each destination shard, the copies that fill it, read from the physical source
 shards; validated before any byte moves (spec 6.7, 0.3).
 
-`Planner.answer` is Paddle's `find_shard_sources` without its state changes: the pieces of
-the destination key's tensor that intersect the asked box. `Planner.plan` turns the answers
-for every destination shard into a Plan and refuses what would produce wrong data.
+The pass plans every destination shard (the declared ones, or without a destination the
+outputs the program makes, whole). `Planner.answer` is Paddle's `find_shard_sources`
+without its state changes: the pieces of the destination key's tensor that intersect the
+asked box. `Planner.plan` turns the answers for shards into a Plan and refuses what would
+produce wrong data.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from math import prod
 from operator import attrgetter
 from typing import NamedTuple
@@ -19,9 +22,11 @@ from aoa.dtypes import CAST_TARGETS, is_exact_widening
 from aoa.errors import PlanError, ValidationError
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
 from aoa.passes.context import CompileContext
-from aoa.passes.propagate_shapes import SymbolicState, Tensor
+from aoa.passes.propagate_shapes import SymbolicTensors, Tensor
 from aoa.plan import CopyTable, KeyedCopy, Plan
 from aoa.slices import Op, Permute
+
+NAME = "plan"
 
 Box = tuple[int, ...]
 
@@ -133,10 +138,46 @@ class _SourceIndex:
         return ids
 
 
+@dataclass
+class PlannedProgram:
+    """What the plan pass leaves: the plan of every destination shard, beside the symbolic
+    tensors it was made from (other boxes of the outputs are planned from them on demand)."""
+
+    tensors: SymbolicTensors
+    plan: Plan
+
+
+def run(tensors: SymbolicTensors, ctx: CompileContext) -> PlannedProgram:
+    return PlannedProgram(tensors, Planner(tensors, ctx).plan())
+
+
+def destination_shards(tensors: SymbolicTensors, ctx: CompileContext) -> list[ShardDesc]:
+    """The shards to plan: the declared destination's, or without one every output whole,
+    in the dtype its casts produce (spec 7.2)."""
+    if ctx.destination is not None:
+        return [shard for shards in ctx.destination.values() for shard in shards]
+    return [ShardDesc.full(name, tensor.shape, _output_dtype(name, tensor))
+            for name, tensor in sorted(tensors.outputs.items()) if tensor is not None]
+
+
+def _output_dtype(name: str, tensor: Tensor) -> str | None:
+    """Without a destination, an output's dtype is the one its casts produce (spec 7.2)."""
+    last = set()
+    for piece in tensor.layout.pieces:
+        casts = [op for op in piece.ops if isinstance(op, str) and op in CAST_TARGETS]
+        if casts:
+            last.add(casts[-1])
+    if len(last) > 1:
+        raise ValidationError(f"the pieces of output '{name}' are cast to different dtypes "
+                              f"({', '.join(sorted(last))})",
+                              hint="Cast the whole tensor after assembling it.")
+    return last.pop() if last else tensor.dtype
+
+
 class Planner:
-    def __init__(self, ctx: CompileContext) -> None:
+    def __init__(self, tensors: SymbolicTensors, ctx: CompileContext) -> None:
         self.ctx = ctx
-        self.state: SymbolicState = ctx.facts["symbolic"]
+        self.state = tensors
         self._source_shards: dict[str, list[ShardDesc]] = {}
         #: a source layout id -> positions of its distinct shards (None: all): each layout
         #: is checked to tile its tensor once, not once per key
@@ -291,32 +332,14 @@ class Planner:
         return tuple(steps)
 
     # -- the plan ------------------------------------------------------------------------
-    def targets(self) -> list[ShardDesc]:
-        if self.ctx.destination is not None:
-            return [shard for shards in self.ctx.destination.values() for shard in shards]
-        return [ShardDesc.full(name, tensor.shape, self.real_dtype(name, tensor))
-                for name, tensor in sorted(self.state.outputs.items()) if tensor is not None]
-
-    def real_dtype(self, name: str, tensor: Tensor) -> str | None:
-        """Without a destination, an output's dtype is the one its casts produce (spec 7.2)."""
-        last = set()
-        for piece in tensor.layout.pieces:
-            casts = [op for op in piece.ops if isinstance(op, str) and op in CAST_TARGETS]
-            if casts:
-                last.add(casts[-1])
-        if len(last) > 1:
-            raise ValidationError(f"the pieces of output '{name}' are cast to different dtypes "
-                                  f"({', '.join(sorted(last))})",
-                                  hint="Cast the whole tensor after assembling it.")
-        return last.pop() if last else tensor.dtype
-
     def plan(self, targets: Sequence[ShardDesc] | None = None) -> Plan:
         """Copies for every destination shard (or for ``targets``: any boxes of outputs).
 
         Shards are taken a key at a time: a key's copies are remembered under its tensor's
         layout, its shards' boxes and its sources' layouts, so the thousands of keys a
         template makes alike are worked out once and only renamed."""
-        destinations = self.targets() if targets is None else list(targets)
+        destinations = (destination_shards(self.state, self.ctx) if targets is None
+                        else list(targets))
         source_index = _SourceIndex(self.source_shards)
         copies = CopyTable()
         untouched: list[int] = []

@@ -3,7 +3,8 @@
 A symbolic tensor is an ordered list of pieces, each saying "this box of me is that box of a
 source key, permuted and cast like so". Splits, concats, permutes, casts, renames and
 aliases only move boxes around, so the whole program costs time in the number of pieces,
-not in bytes. The result (every destination key's tensor) is what planning queries.
+not in bytes. The result, every destination key's tensor (SymbolicTensors), is what the
+plan pass reads.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from dataclasses import dataclass, field
 from aoa import slices
 from aoa.dtypes import CAST_TARGETS
 from aoa.errors import ShapeError, ValidationError
-from aoa.ir import NOTHING, Attribute, Name, Program, Statement
+from aoa.ir import NOTHING, Attribute, Name, Program, SharedInstances, Statement
 from aoa.layout import BETA_POW_SUFFIXES, split_optimizer_suffix
 from aoa.passes.context import CompileContext
 from aoa.slices import Permute
+
+NAME = "propagate_shapes"
 
 
 @dataclass(slots=True)
@@ -43,10 +46,14 @@ class Tensor:
 
 
 @dataclass
-class SymbolicState:
-    """What shape propagation leaves for planning."""
+class SymbolicTensors:
+    """What shape propagation leaves for planning: the tensor of every output, and what
+    planning needs to explain itself."""
 
+    #: the program whose statements made them
+    program: Program
     inputs: InputTensors
+    #: destination key (without an optimizer suffix) -> its tensor (None: `_ -> key`)
     outputs: dict[str, Tensor | None]
     #: every name's latest binding (intermediates)
     bound: dict[str, Tensor] = field(default_factory=dict)
@@ -153,11 +160,11 @@ class InputTensors:
 
 
 class _Machine:
-    def __init__(self, ctx: CompileContext) -> None:
+    def __init__(self, program: Program, ctx: CompileContext) -> None:
         self.ctx = ctx
         self.reverse = ctx.reverse
         self.inputs = InputTensors(ctx)
-        self.state = SymbolicState(self.inputs, {})
+        self.state = SymbolicTensors(program, self.inputs, {})
         self.bound = self.state.bound
         self.destination_keys = ctx.destination_keys
 
@@ -200,7 +207,8 @@ class _Machine:
                          hint=f"Axes count from 0 to {len(tensor.shape) - 1}.")
         return value
 
-    def run(self, program: Program) -> SymbolicState:
+    def run(self) -> SymbolicTensors:
+        program = self.state.program
         statements = program.statements[::-1] if self.reverse else program.statements
         for statement in statements:
             self.execute(statement)
@@ -330,7 +338,7 @@ class _Machine:
         return Permute(axes, text)
 
 
-def select_outputs(state: SymbolicState, ctx: CompileContext) -> None:
+def select_outputs(state: SymbolicTensors, ctx: CompileContext) -> None:
     """Which tensor each destination key gets (spec 6.6)."""
     outputs = state.outputs
     if ctx.destination is not None:
@@ -364,38 +372,34 @@ def select_outputs(state: SymbolicState, ctx: CompileContext) -> None:
     state.outputs = selected
 
 
-def share_outputs(state: SymbolicState, ctx: CompileContext) -> None:
+def share_outputs(state: SymbolicTensors, shared: Sequence[SharedInstances],
+                  ctx: CompileContext) -> None:
     """The destination keys of instances set aside by share_instances: the kept instance's
     tensors with the source keys renamed, read for read (the kept instance's slots and
     what they read are worked out once for all its followers)."""
     outputs, writers, destination_keys = state.outputs, state.writers, ctx.destination_keys
-    patterns: dict[int, list[tuple[int, Tensor, list[int], bool]]] = {}
-    for instance in ctx.facts.get("shared", ()):
-        kept = instance.kept
-        pattern = patterns.get(id(kept))
-        if pattern is None:
-            reads = [n.base for n in kept.left]
-            # (position of a write, its tensor, the read each slot of it comes from: a
-            # position in the reads, or past them one in the key itself, kept as it is)
-            pattern = patterns[id(kept)] = [
-                (j, tensor, [reads.index(k) if k in reads else len(reads) + slot
-                             for slot, k in enumerate(tensor.keys)],
-                 not set(tensor.keys) <= set(reads))
-                for j, name in enumerate(kept.right)
-                if (tensor := outputs.get(name.text)) is not None]
-        statement, reads = instance.statement, instance.reads
-        for j, tensor, slots, foreign in pattern:
-            own_key = statement.right[j].text
-            if own_key in destination_keys:
-                names = reads + tensor.keys if foreign else reads
-                outputs[own_key] = Tensor(tensor.layout, tuple([names[i] for i in slots]),
-                                          tensor.dtype, name=own_key)
-                writers[own_key] = statement
+    for group in shared:
+        kept = group.kept
+        reads = [n.base for n in kept.left]
+        # (position of a write, its tensor, the read each slot of it comes from: a
+        # position in the reads, or past them one in the key itself, kept as it is)
+        pattern = [(j, tensor, [reads.index(k) if k in reads else len(reads) + slot
+                                for slot, k in enumerate(tensor.keys)],
+                    not set(tensor.keys) <= set(reads))
+                   for j, name in enumerate(kept.right)
+                   if (tensor := outputs.get(name.text)) is not None]
+        for statement, own_reads in group.followers:
+            for j, tensor, slots, foreign in pattern:
+                own_key = statement.right[j].text
+                if own_key in destination_keys:
+                    names = own_reads + tensor.keys if foreign else own_reads
+                    outputs[own_key] = Tensor(tensor.layout, tuple([names[i] for i in slots]),
+                                              tensor.dtype, name=own_key)
+                    writers[own_key] = statement
 
 
-def run(program: Program, ctx: CompileContext) -> Program:
-    state = _Machine(ctx).run(program)
-    share_outputs(state, ctx)
-    select_outputs(state, ctx)
-    ctx.facts["symbolic"] = state
-    return program
+def run(program: Program, ctx: CompileContext) -> SymbolicTensors:
+    tensors = _Machine(program, ctx).run()
+    share_outputs(tensors, program.shared, ctx)
+    select_outputs(tensors, ctx)
+    return tensors

@@ -17,6 +17,8 @@ from aoa.ir import NOTHING, Program, Statement
 from aoa.layout import shard_count
 from aoa.passes.context import CompileContext
 
+NAME = "resolve_chains"
+
 
 @dataclass(frozen=True)
 class Terminal:
@@ -39,8 +41,6 @@ class DataFlow:
     inputs: list[list[int]] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     final: dict[str, int] = field(default_factory=dict)
-    #: written statement -> its position in execution order
-    position: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, program: Program, reverse: bool) -> DataFlow:
@@ -49,7 +49,6 @@ class DataFlow:
         flow = cls([written[i] for i in order], reverse)
         current: dict[str, int] = {}
         for executed, index in enumerate(order):
-            flow.position[id(written[index])] = executed
             statement = written[index]
             reads, writes = ((statement.right, statement.left) if reverse
                              else (statement.left, statement.right))
@@ -72,6 +71,10 @@ class DataFlow:
             flow.outputs.append(write_nodes)
         flow.final = current
         return flow
+
+    def executed(self, index: int) -> int:
+        """The position in execution order of the statement at ``index`` in the program."""
+        return len(self.statements) - 1 - index if self.reverse else index
 
     def _new_node(self, name: str, producer: int | None) -> int:
         self.node_name.append(name)
@@ -115,14 +118,16 @@ class Chains:
         self.flow = flow
         self.ctx = ctx
 
-    def shard_count(self, statement: Statement, name: str, *, left: bool) -> int:
-        """Shards of ``name``, written on the ``left`` (or right) of ``statement``.
+    def shard_count(self, index: int, name: str, *, left: bool) -> int:
+        """Shards of ``name``, written on the ``left`` (or right) of the statement at
+        ``index`` in the program.
 
         A name the statement reads is counted where its data comes from (the source
         checkpoint), one it writes where its data goes (the destination); in reverse mode
         the right side is read and the left written."""
         flow = self.flow
-        executed = flow.position[id(statement)]
+        executed = flow.executed(index)
+        statement = flow.statements[executed]
         reads = left != flow.reverse
         info: dict | None
         if reads:
@@ -173,6 +178,13 @@ class Chains:
         return 1
 
 
-def run(program: Program, ctx: CompileContext) -> Program:
-    ctx.facts["chains"] = Chains(DataFlow.build(program, ctx.reverse), ctx)
-    return program
+@dataclass(frozen=True)
+class ChainedProgram:
+    """A program with its chains: what expand_fused reads to lay out the fused macros."""
+
+    program: Program
+    chains: Chains
+
+
+def run(program: Program, ctx: CompileContext) -> ChainedProgram:
+    return ChainedProgram(program, Chains(DataFlow.build(program, ctx.reverse), ctx))
