@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
+from aoa.dtypes import itemsize
 from aoa.errors import UsageError
 
 #: Paddle's OPTIMIZER_STATE_NAME, in the order `split_optimizer_suffix` tries them.
@@ -38,6 +39,11 @@ class ShardDesc:
     @property
     def numel(self) -> int:
         return prod(self.local_shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the box (dtype None reads as float32, as in Paddle)."""
+        return prod(self.local_shape) * itemsize(self.dtype or "float32")
 
     def to_json(self) -> dict:
         return {"key": self.key, "local_shape": list(self.local_shape),

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from aoa.ir import Program
-from aoa.layout import ShardDesc, normalize_shard_info
+from aoa.layout import BETA_POW_SUFFIXES, OPTIMIZER_SUFFIXES, ShardDesc, normalize_shard_info
 from aoa.passes import PIPELINE, Pass
 from aoa.passes.context import CompileContext
 from aoa.passes.parse import texts
 from aoa.passes.plan import PlannedProgram, Planner, destination_shards
-from aoa.passes.propagate_shapes import SymbolicTensors
 from aoa.plan import Plan
+from aoa.symbolic import SymbolicTensors, dtype_after
 
 AfterPass = Callable[[str, Any, CompileContext, float], None]
 
@@ -54,6 +54,39 @@ class Compilation:
     def destination_shards(self) -> list[ShardDesc]:
         """The declared destination shards, or without a destination every output whole."""
         return destination_shards(self.tensors, self.ctx)
+
+    def outputs(self) -> dict[str, ShardDesc | None]:
+        """Every tensor the program makes, whole, by key (global shape, and the dtype its
+        casts make); None for a key declared with `_ -> key` (left as it is). Without a
+        destination: what a mapping makes on its own."""
+        made = {shard.key: shard for shard in self.destination_shards()}
+        return {key: made.get(key) for key in self.tensors.outputs}
+
+    def derived_outputs(self) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """Key -> (global shape, dtype) of every output the program makes when no
+        destination is given, with the optimizer states that follow it: a state that
+        every source of the output has (a mesh layout is applied to these)."""
+        source = self.ctx.source
+        made = self.tensors.outputs
+        outputs = {}
+        for target in self.destination_shards():
+            outputs[target.key] = (target.global_shape, target.dtype)
+            tensor = made[target.key]
+            if tensor is None:
+                continue
+            keys = sorted(tensor.source_keys())
+            for suffix in OPTIMIZER_SUFFIXES:
+                if not keys or not all(key + suffix in source for key in keys):
+                    continue
+                if suffix in BETA_POW_SUFFIXES:
+                    first = source[keys[0] + suffix][0]
+                    outputs[target.key + suffix] = (first.global_shape, first.dtype)
+                    continue
+                dtypes = {dtype_after(piece.ops, source[key + suffix][0].dtype)
+                          for key, piece in tensor.pieces()}
+                if len(dtypes) == 1:
+                    outputs[target.key + suffix] = (target.global_shape, dtypes.pop())
+        return outputs
 
 
 @contextlib.contextmanager

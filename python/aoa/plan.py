@@ -3,7 +3,8 @@
 It is what `aoa compile` writes, what `aoa explain` describes, and all that the executor
 reads: shard descriptions on both sides and a sequence of copies with boxes, an axis order
 (permutation) and rounding steps (a CopyTable as planned, a list as read from JSON: they
-compare equal). `kernel_copies()` lowers it to byte offsets and strides.
+compare equal). The runtime lowers it to byte offsets and strides (`aoa.runtime.lower`);
+nothing here knows how copies run.
 """
 
 from __future__ import annotations
@@ -14,13 +15,10 @@ import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from math import prod
 from typing import NamedTuple, overload
 
-from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
 from aoa.printer import Printer
-from aoa.runtime.copies import Copy, c_strides
 
 FORMAT = "aoa-plan/1"
 
@@ -141,35 +139,15 @@ class Plan:
     #: destination shards declared with `_ -> X`: left as they are, no copy
     untouched: list[int] = field(default_factory=list)
 
-    # -- execution -----------------------------------------------------------------------
-    def kernel_copies(self, copies: list[PlannedCopy] | None = None) -> list[Copy]:
-        """Byte offsets and strides for C-contiguous shard buffers, in plan order."""
-        result = []
-        for c in self.copies if copies is None else copies:
-            src, dst = self.sources[c.source], self.destinations[c.destination]
-            src_dtype, dst_dtype = src.dtype or "float32", dst.dtype or "float32"
-            src_strides = c_strides(src.local_shape, itemsize(src_dtype))
-            dst_strides = c_strides(dst.local_shape, itemsize(dst_dtype))
-            src_offset = sum(a * b for a, b in zip(c.source_start, src_strides))
-            dst_offset = sum(a * b for a, b in zip(c.destination_start, dst_strides))
-            if c.order is not None:
-                src_strides = tuple(src_strides[a] for a in c.order)
-            result.append(Copy(c.source, src_offset, src_strides, c.destination, dst_offset,
-                               dst_strides, c.shape, src_dtype, dst_dtype, c.casts))
-        return result
-
+    # -- queries -------------------------------------------------------------------------
     def copies_by_destination(self) -> dict[int, list[PlannedCopy]]:
         grouped: dict[int, list[PlannedCopy]] = {i: [] for i in range(len(self.destinations))}
         for c in self.copies:
             grouped[c.destination].append(c)
         return grouped
 
-    def shard_bytes(self, index: int) -> int:
-        shard = self.destinations[index]
-        return prod(shard.local_shape) * itemsize(shard.dtype or "float32")
-
     def destination_bytes(self) -> int:
-        return sum(self.shard_bytes(i) for i in range(len(self.destinations)))
+        return sum(shard.nbytes for shard in self.destinations)
 
     # -- serialization -------------------------------------------------------------------
     def to_json(self) -> dict:

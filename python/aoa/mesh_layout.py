@@ -1,4 +1,5 @@
-"""Destination shards derived from a mesh and rules, so nobody lists shards by hand.
+"""Mesh layouts: destination shards derived from a mesh and rules, so nobody lists shards by
+hand (the TOML file `aoa convert --layout` takes).
 
 A layout file (TOML) names the mesh and, per key pattern, which axis each mesh dimension
 splits; a dimension a rule does not name replicates the tensor:
@@ -35,7 +36,27 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class MeshShards:
+    """The destination shards of a mesh layout: by key, in the order the compiler takes
+    them, and each rank's as positions in that order (the key-by-key listing)."""
+
+    by_key: dict[str, list[ShardDesc]]
+    ranks: list[list[int]]
+
+    def listed(self) -> list[ShardDesc]:
+        """Every shard, key by key: what the positions in ``ranks`` count."""
+        return [shard for shards in self.by_key.values() for shard in shards]
+
+    def of_rank(self, rank: int) -> list[ShardDesc]:
+        listed = self.listed()
+        return [listed[position] for position in self.ranks[rank]]
+
+
+@dataclass(frozen=True)
 class MeshLayout:
+    """A mesh (dimension name -> size) and the rules that say which tensor axis each
+    dimension splits, per key pattern."""
+
     mesh: dict[str, int]
     rules: tuple[Rule, ...]
     source: str = "<layout>"
@@ -56,11 +77,11 @@ class MeshLayout:
     def rule_for(self, key: str) -> Rule | None:
         return next((rule for rule in self.rules if fnmatch.fnmatchcase(key, rule.match)), None)
 
-    def shards(self, outputs: Mapping[str, tuple[tuple[int, ...], str | None]]
-               ) -> tuple[dict[str, list[ShardDesc]], list[list[ShardDesc]]]:
-        """(shard info by key, shards of each rank) for outputs given as key -> (shape, dtype)."""
+    def shards(self, outputs: Mapping[str, tuple[tuple[int, ...], str | None]]) -> MeshShards:
+        """The shards of outputs given as key -> (shape, dtype), by key and by rank."""
         by_key: dict[str, list[ShardDesc]] = {}
-        by_rank: list[list[ShardDesc]] = [[] for _ in range(self.ranks)]
+        by_rank: list[list[int]] = [[] for _ in range(self.ranks)]
+        count = 0
         for key, (shape, dtype) in outputs.items():
             # Optimizer states are sharded like their parameter; beta pows are replicated.
             model_key, suffix = split_optimizer_suffix(key)
@@ -88,13 +109,13 @@ class MeshLayout:
                         if split_axis == axis:
                             index = index * self.mesh[name] + position[name]
                     offset[axis] = index * local[axis]
-                shard = ShardDesc(key, tuple(local), tuple(shape), tuple(offset), dtype)
-                shards.append(shard)
-                by_rank[rank].append(shard)
-        return by_key, by_rank
+                shards.append(ShardDesc(key, tuple(local), tuple(shape), tuple(offset), dtype))
+                by_rank[rank].append(count)
+                count += 1
+        return MeshShards(by_key, by_rank)
 
 
-def read_layout(path: str | Path) -> MeshLayout:
+def read_mesh_layout(path: str | Path) -> MeshLayout:
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -102,10 +123,10 @@ def read_layout(path: str | Path) -> MeshLayout:
         raise UsageError(f"cannot read layout {path}: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise UsageError(f"{path}: not valid TOML: {error}") from None
-    return parse_layout(data, str(path))
+    return parse_mesh_layout(data, str(path))
 
 
-def parse_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
+def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
     mesh = data.get("mesh")
     if not isinstance(mesh, Mapping) or not mesh:
         raise UsageError(f"{source}: needs a [mesh] table, e.g. `[mesh]` then `tp = 2`")

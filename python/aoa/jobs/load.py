@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import difflib
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
-from pathlib import Path
-from typing import Any
 
 from aoa.errors import AoaError, UsageError, ValidationError
+from aoa.jobs.job import Job, ShardInfo, outputs, plan_job
 from aoa.layout import ShardDesc, split_optimizer_suffix
-from aoa.passes import propagate_shapes, through
-from aoa.pipeline import analyze
+from aoa.mapping import MappingText, as_mapping
 from aoa.plan import Plan
 from aoa.runtime.buffers import Adapted, DeviceBuffer, HostBuffer, adapt
-from aoa.runtime.executor import PlanExecutor
-from aoa.storage.checkpoint import SourceCheckpoint, SourceShard, open_source_checkpoint
+from aoa.runtime.progress import progress_bar
+from aoa.storage.formats import Piece, Source, opened
 
 #: Host shards are filled in groups of about this many bytes (one kernel call each).
 _GROUP_BYTES = 256 << 20
@@ -70,26 +67,27 @@ class _Target:
 Targets = Mapping[str, object]
 
 
-def load(mapping: str | os.PathLike[str] | Sequence[str],
-         source: str | os.PathLike[str] | SourceCheckpoint, into: Targets, *,
+def load(mapping: str | os.PathLike[str] | Sequence[str] | MappingText,
+         source: str | os.PathLike[str] | Source, into: Targets, *,
          destination: Mapping[str, Sequence[ShardDesc]] | None = None,
          reverse: bool = False, threads: int | None = None, progress: bool = True,
          distributed: bool | None = None, group: object = None,
-         backend: str = "cpp") -> Loaded:
+         backend: str = "cpp", source_format: str | None = None) -> Loaded:
     """Fill the buffers of ``into`` from the checkpoint ``source`` through ``mapping``.
 
     ``mapping``: a `.aoa` or JSON file, AOA text, or a list of statements. ``source``: a
-    checkpoint folder or safetensors file (or one opened with open_source_checkpoint).
-    ``into``: destination key -> a buffer (numpy array, torch tensor, CuPy array, ...) for
-    the whole tensor, an `aoa.Shard` for one box of it, or a list of those.
+    checkpoint folder or file (its format detected, or named by ``source_format``), or one
+    opened with `aoa.storage.open_source`. ``into``: destination key -> a buffer (numpy
+    array, torch tensor, CuPy array, ...) for the whole tensor, an `aoa.Shard` for one box
+    of it, or a list of those.
 
     ``distributed``: None uses torch.distributed when it is initialized with more than one
     rank (every rank must call load then); False loads in this process alone. ``destination``
     gives the whole destination layout when the buffers here hold only part of it (the
     shard counts decide fused layouts); by default it is the shards of all ranks' buffers.
     Raises ValidationError naming the key when buffers and mapping disagree."""
-    statements, file_reverse, file = _read_statements(mapping)
-    reverse = reverse or file_reverse
+    text = as_mapping(mapping)
+    text = text._replace(reverse=reverse or text.reverse)
     given = destination
     world = _world(distributed, group) if destination is None else None
     error: AoaError | None = None
@@ -104,7 +102,7 @@ def load(mapping: str | os.PathLike[str] | Sequence[str],
     if destination is not None:
         own = _find_own(destination, local)
     elif world is not None:
-        from aoa.distributed import gather_shards
+        from aoa.jobs.distributed import gather_shards
 
         destination, positions = _merge(gather_shards(local, error, group))
         own = positions[world[0]]
@@ -113,14 +111,12 @@ def load(mapping: str | os.PathLike[str] | Sequence[str],
         own = positions[0]
     if given is None:
         _check_coverage(destination, world is not None)
-    checkpoint, opened = _open(source)
-    try:
+    with opened(source, source_format) as checkpoint:
         start = time.perf_counter()
-        source_info = _source_info(checkpoint)
-        _check_keys(statements, source_info, destination, reverse, file)
-        compilation = analyze(statements, source_info, destination, reverse=reverse, file=file)
-        plan = compilation.plan()
+        _check_keys(outputs(text, checkpoint.shards), destination)
+        job = plan_job(text, checkpoint, destination)
         compiled = time.perf_counter() - start
+        plan = job.plan
         first = _first_indices(destination)
         indices = [first[key] + position for key, position in own]
         for index, target in zip(indices, targets):
@@ -128,21 +124,18 @@ def load(mapping: str | os.PathLike[str] | Sequence[str],
                 raise AssertionError(f"plan destination {index} is not {target.desc}")
         start = time.perf_counter()
         if threads is None and world is not None:
-            from aoa.distributed import threads_per_rank
+            from aoa.jobs.distributed import threads_per_rank
 
             threads = threads_per_rank()
         read: dict[int, ShardDesc] = {}
         show = progress and (world is None or world[0] == 0)
-        with _progress_bar(sum(t.buffer.nbytes for t in targets), show) as advance:
-            _execute(plan, checkpoint, list(zip(indices, (t.buffer for t in targets))),
-                     read, threads=threads, backend=backend, progress=advance)
+        with progress_bar(sum(t.buffer.nbytes for t in targets), "loading", show=show,
+                          terminal_only=True) as advance:
+            _execute(job, list(zip(indices, (t.buffer for t in targets))), read,
+                     threads=threads, backend=backend, progress=advance)
         seconds = time.perf_counter() - start
-    finally:
-        if opened:
-            checkpoint.close()
-    notes = [n.render() for n in compilation.ctx.notes]
     return Loaded(plan, indices, sum(t.buffer.nbytes for t in targets), compiled, seconds,
-                  notes, [read[i] for i in sorted(read)])
+                  job.notes, [read[i] for i in sorted(read)])
 
 
 # -- the buffers ---------------------------------------------------------------------------
@@ -246,18 +239,14 @@ def _first_indices(destination: Mapping[str, Sequence[ShardDesc]]) -> dict[str, 
 # -- checks against the mapping --------------------------------------------------------------
 
 
-def _check_keys(statements, source_info, destination: Mapping[str, Sequence[ShardDesc]],
-                reverse: bool, file: str | None) -> None:
-    """Every buffer is for a tensor the mapping makes, with its global shape and dtype,
-    and every tensor it makes has a buffer (optimizer states are optional)."""
-    compilation = analyze(statements, source_info, None, reverse=reverse, file=file,
-                          passes=through(propagate_shapes))
-    outputs = compilation.tensors.outputs
-    made = {t.key: t for t in compilation.destination_shards()}
+def _check_keys(made: Mapping[str, ShardDesc | None], destination: ShardInfo) -> None:
+    """Every buffer is for a tensor the mapping makes (``made``: what it makes on its own,
+    whole), with its global shape and dtype, and every tensor it makes has a buffer
+    (optimizer states are optional)."""
     for key, shards in destination.items():
         model_key, suffix = split_optimizer_suffix(key)
-        if model_key not in outputs:
-            close = difflib.get_close_matches(key, list(outputs), n=1)
+        if model_key not in made:
+            close = difflib.get_close_matches(key, list(made), n=1)
             raise ValidationError(
                 f"'{key}' has a buffer, but the mapping makes no tensor of that name",
                 hint=f"Did you mean '{close[0]}'?" if close else
@@ -281,7 +270,8 @@ def _check_keys(statements, source_info, destination: Mapping[str, Sequence[Shar
                     f"{want.dtype}",
                     hint=f"Give a {want.dtype} buffer, or cast in the mapping: "
                          f"`... -> {key}, dtype='{shard.dtype}'`.")
-    missing = [key for key in made if key not in destination]
+    missing = sorted(key for key, tensor in made.items()
+                     if tensor is not None and key not in destination)
     if missing:
         shown = ", ".join(f"'{k}'" for k in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -295,23 +285,16 @@ def _check_keys(statements, source_info, destination: Mapping[str, Sequence[Shar
 # -- running the copies ----------------------------------------------------------------------
 
 
-def _execute(plan: Plan, checkpoint: SourceCheckpoint, targets: list[tuple[int, Adapted]],
-             read: dict[int, ShardDesc], *, threads: int | None, backend: str,
+def _execute(job: Job, targets: list[tuple[int, Adapted]], read: dict[int, ShardDesc], *,
+             threads: int | None, backend: str,
              progress: Callable[[int], None] | None) -> None:
-    stored: dict[tuple[str, tuple[int, ...]], SourceShard] = {
-        (s.key, s.global_offset): s for shards in checkpoint.shards.values() for s in shards}
-
-    def source_buffer(index: int):
-        shard = plan.sources[index]
-        read[index] = shard
-        return checkpoint.buffer(stored[(shard.key, shard.global_offset)])
-
     host = [(i, b) for i, b in targets if isinstance(b, HostBuffer)]
     device = {i: b for i, b in targets if isinstance(b, DeviceBuffer)}
     if host:
-        executor = PlanExecutor(plan, source_buffer, backend=backend, threads=threads)
+        executor = job.executor(backend=backend, threads=threads, read=read,
+                                release_pages=False)
         for group in _groups(host):
-            executor.fill([i for i, _ in group], [b.data for _, b in group])
+            executor.fill([Piece(i, b.data) for i, b in group])
             for _, buffer in group:
                 if buffer.finish is not None:
                     buffer.finish()
@@ -320,8 +303,8 @@ def _execute(plan: Plan, checkpoint: SourceCheckpoint, targets: list[tuple[int, 
     if device:
         from aoa.runtime.cuda import fill_device
 
-        fill_device(plan, device, source_buffer, backend=backend, threads=threads,
-                    progress=progress)
+        fill_device(job.plan, device, job.source_buffer(read), backend=backend,
+                    threads=threads, progress=progress)
 
 
 def _groups(host: list[tuple[int, HostBuffer]]) -> list[list[tuple[int, HostBuffer]]]:
@@ -339,39 +322,11 @@ def _groups(host: list[tuple[int, HostBuffer]]) -> list[list[tuple[int, HostBuff
 # -- small parts -----------------------------------------------------------------------------
 
 
-def _read_statements(mapping) -> tuple[str | list[str], bool, str | None]:
-    """A `.aoa` or JSON file (a path), AOA text (a string with `->` in it), or statements."""
-    if isinstance(mapping, (list, tuple)):
-        return list(mapping), False, None
-    if isinstance(mapping, str) and "->" in mapping:
-        return mapping, False, None
-    if isinstance(mapping, (str, os.PathLike)):
-        from aoa.cli import read_mapping
-
-        return read_mapping(os.fspath(mapping))
-    raise UsageError(f"mapping must be a file, AOA text or a list of statements, not "
-                     f"{type(mapping).__name__}")
-
-
-def _open(source) -> tuple[SourceCheckpoint, bool]:
-    if isinstance(source, SourceCheckpoint):
-        return source, False
-    if isinstance(source, (str, os.PathLike)):
-        return open_source_checkpoint(Path(source)), True
-    raise UsageError(f"source must be a checkpoint folder or file, not {type(source).__name__}")
-
-
-def _source_info(checkpoint: SourceCheckpoint) -> dict[str, list[ShardDesc]]:
-    return {key: [ShardDesc(s.key, s.local_shape, s.global_shape, s.global_offset, s.dtype)
-                  for s in shards]
-            for key, shards in checkpoint.shards.items()}
-
-
 def _world(distributed: bool | None, group: object) -> tuple[int, int] | None:
     """(rank, world size) when loading across ranks, else None."""
     if distributed is False:
         return None
-    from aoa.distributed import world
+    from aoa.jobs.distributed import world
 
     found = world(group)
     if distributed and found is None:
@@ -379,25 +334,3 @@ def _world(distributed: bool | None, group: object) -> tuple[int, int] | None:
                          hint="Call torch.distributed.init_process_group first (torchrun "
                               "sets up the environment it reads).")
     return found if found is not None and found[1] > 1 else None
-
-
-class _progress_bar:
-    """Bytes filled, on stderr, when asked for and stderr is a terminal."""
-
-    def __init__(self, total: int, show: bool) -> None:
-        self.total, self.show = total, show
-        self.bar: Any = None
-
-    def __enter__(self) -> Callable[[int], None] | None:
-        if not self.show or not self.total:
-            return None
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=self.total, unit="B", unit_scale=True, unit_divisor=1000,
-                        desc="loading", file=sys.stderr, leave=False, disable=None)
-        return self.bar.update
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
-

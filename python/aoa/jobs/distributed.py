@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 from aoa.errors import AoaError, StorageError, UsageError
 from aoa.layout import ShardDesc
 
-if TYPE_CHECKING:  # aoa.convert is imported when a conversion runs, not to ask world()
-    from aoa.convert import Conversion, OutputFile
-    from aoa.storage.checkpoint import SourceCheckpoint
+if TYPE_CHECKING:  # aoa.jobs.convert is imported when a conversion runs, not to ask world()
+    from aoa.jobs.convert import Conversion
+    from aoa.storage.formats import Destination, OutputFile
 
 
 # -- torch.distributed ---------------------------------------------------------------------
@@ -55,8 +55,9 @@ def threads_per_rank() -> int | None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if local <= 1:
         return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cpus or 1) // local)
+    from aoa.runtime.executor import usable_cpus
+
+    return max(1, usable_cpus() // local)
 
 
 def _all_gather(value: object, group: object = None) -> list:
@@ -124,51 +125,56 @@ class RankShare:
     def files(self, conversion: Conversion) -> list[OutputFile]:
         return split_files(conversion.files, self.world_size)[self.rank]
 
-    def execute(self, conversion: Conversion, checkpoint: SourceCheckpoint,
-                output: str | os.PathLike[str], *, threads: int | None = None,
-                progress: Callable[[int], None] | None = None,
+    def execute(self, conversion: Conversion, output: str | os.PathLike[str], *,
+                threads: int | None = None, progress: Callable[[int], None] | None = None,
                 poll_seconds: float = 0.2, timeout: float | None = None) -> None:
-        """Write this rank's files; rank 0 then writes the index, once every rank is done.
+        """Write this rank's files; rank 0 then commits (the index), once every rank is done.
 
         ``timeout`` bounds rank 0's wait for the other ranks' markers (None: no bound)."""
-        from aoa.convert import check_output_folder, execute
-
         output = Path(output)
+        with conversion.destination(output) as destination:
+            self._execute(conversion, destination, threads=threads, progress=progress,
+                          poll_seconds=poll_seconds, timeout=timeout)
+
+    def _execute(self, conversion: Conversion, destination: Destination, *,
+                 threads: int | None, progress: Callable[[int], None] | None,
+                 poll_seconds: float, timeout: float | None) -> None:
+        from aoa.jobs.convert import write
+
+        output = destination.folder
         mine = self.files(conversion)
         if threads is None and self.collective:
             threads = threads_per_rank()
-        seconds = 0.0
         error: BaseException | None = None
         if self.collective:
             try:
-                check_output_folder(output)  # before anyone writes: all see the same folder
+                destination.check()  # before anyone writes: all see the same folder
             except AoaError as failure:
                 error = failure
             agree(error, "to check the output folder", self.group)
         else:
-            _check_foreign_files(output, conversion)
+            destination.check(others_may_have_written=True)
             _marker(output, self.rank, self.world_size).unlink(missing_ok=True)
         error = None
+        start = time.perf_counter()
         try:
-            execute(conversion, checkpoint, output, threads=threads, progress=progress,
-                    files=mine, write_index=False, check_output=False)
-            seconds = conversion.seconds
+            write(conversion, destination, mine, threads=threads, progress=progress)
         except Exception as failure:
             if not self.collective:
                 raise
             error = failure
+        seconds = time.perf_counter() - start
         if self.collective:
-            agree(error, "to write its files", self.group)  # the barrier before the index
+            agree(error, "to write its files", self.group)  # the barrier before the commit
         else:
-            fingerprint = _fingerprint(conversion, checkpoint)
+            fingerprint = _fingerprint(conversion)
             if self.rank != 0:
                 _write_marker(output, self.rank, self.world_size, fingerprint)
                 conversion.seconds = seconds
                 return
             _wait_for_markers(output, self.world_size, fingerprint, poll_seconds, timeout)
         if self.rank == 0:
-            execute(conversion, checkpoint, output, files=[], write_index=True,
-                    check_output=False)
+            destination.commit()
             if not self.collective:
                 for rank in range(1, self.world_size):
                     _marker(output, rank, self.world_size).unlink(missing_ok=True)
@@ -215,13 +221,13 @@ def _marker(output: Path, rank: int, world_size: int) -> Path:
     return output / f".aoa-done-rank-{rank:05d}-of-{world_size:05d}"
 
 
-def _fingerprint(conversion: Conversion, checkpoint: SourceCheckpoint) -> str:
+def _fingerprint(conversion: Conversion) -> str:
     """Names this conversion: the plan, the files, and the source files as they are now.
     A marker left by an earlier run of the very same conversion vouches for files with the
     same bytes, so rank 0 may trust it."""
     digest = hashlib.sha256(conversion.plan.dumps().encode())
     digest.update(json.dumps([[f.filename, f.shards] for f in conversion.files]).encode())
-    for path in sorted({s.file for shards in checkpoint.shards.values() for s in shards}):
+    for path in conversion.job.source.files():
         stat = path.stat()
         digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()
@@ -250,19 +256,3 @@ def _wait_for_markers(output: Path, world_size: int, fingerprint: str, poll_seco
                                f"{timeout:.0f} s; the index is not written")
         time.sleep(poll_seconds)
 
-
-def _check_foreign_files(output: Path, conversion: Conversion) -> None:
-    """Refuse a folder holding another checkpoint: an index, or safetensors files other
-    than this conversion's (which other ranks may already have written)."""
-    from aoa.storage.checkpoint import INDEX_NAME
-
-    if output.exists() and not output.is_dir():
-        raise StorageError(f"{output}: the output is a file, not a folder")
-    if not output.is_dir():
-        return
-    ours = {f.filename for f in conversion.files}
-    foreign = sorted(p.name for p in output.glob("*.safetensors") if p.name not in ours)
-    if foreign or (output / INDEX_NAME).exists():
-        raise StorageError(f"{output}: the output folder already holds a checkpoint "
-                           f"({', '.join(foreign) or INDEX_NAME})",
-                           hint="Convert into an empty or new folder.")
