@@ -15,7 +15,9 @@ from numpy_programs import ffn_fuse, ffn_unfuse, qkv_fuse, qkv_old_fuse
 from sharding import sharded
 
 import aoa
-from aoa.pipeline import analyze
+from aoa.passes import expand_fused, through
+from aoa.passes.parse import texts
+from aoa.pipeline import new_context, run_passes
 from aoa.runtime import reference
 
 
@@ -101,13 +103,12 @@ def test_a_tensor_named_like_a_piece_keeps_its_own_data(trap, as_source):
 
 def test_generated_names_avoid_every_name_in_use():
     """The pieces move to another prefix when a key starts with theirs; views get a number."""
-    expanded = []
-    analyze(["w^T -> f, fused_ffn", "w_transpose_tmp -> u"],
-            layout({"w": (8, 2), "w_transpose_tmp": (1, 1), "fused_ffn_tmp.GATE_0.x": (1, 1)}),
-            layout({"f": (2, 8), "u": (1, 1), "fused_ffn_tmp.GATE_0.x": (1, 1)}),
-            after_pass=lambda name, program, ctx: expanded.append(program)
-            if name == "expand_fused" else None)
-    made = {n.base for s in expanded[0].statements for n in (*s.left, *s.right)}
+    ctx = new_context(
+        layout({"w": (8, 2), "w_transpose_tmp": (1, 1), "fused_ffn_tmp.GATE_0.x": (1, 1)}),
+        layout({"f": (2, 8), "u": (1, 1), "fused_ffn_tmp.GATE_0.x": (1, 1)}))
+    expanded = run_passes(texts("w^T -> f, fused_ffn\nw_transpose_tmp -> u"), ctx,
+                          through(expand_fused))
+    made = {n.base for s in expanded.statements for n in (*s.left, *s.right)}
     assert made == {"w", "w_transpose_tmp_1", "w_transpose_tmp", "f", "u",
                     "fused_ffn_tmp_1.GATE_0", "fused_ffn_tmp_1.UP_0"}
 

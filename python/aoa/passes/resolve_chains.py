@@ -10,7 +10,9 @@ split or concatenated is followed every way (the ways must agree).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aoa.errors import ChainError
 from aoa.ir import FLAG_ATTRIBUTES, NOTHING, Program, Statement
@@ -18,6 +20,10 @@ from aoa.layout import shard_count
 from aoa.passes.context import CompileContext
 from aoa.source import Span
 
+if TYPE_CHECKING:
+    from aoa.printer import Printer
+
+NAME = "resolve_chains"
 #: The fused macros that lay their fused tensor out shard by shard.
 PER_SHARD_FLAGS = frozenset({"fused_ffn", "fused_qkv_old"})
 
@@ -28,20 +34,36 @@ def _fused_flag(statement: Statement) -> str | None:
 
 @dataclass(frozen=True)
 class End:
-    """Where a walk through the data flow stopped, and over how many shards the tensor is
-    laid out there: a key of the source or destination, or (``key`` None) the fused
-    statement that made the tensor."""
+    """Where a walk through the data flow stopped: a key of the source or destination, or
+    a fused statement (``fused``), which lays the tensor out itself: the one that wrote it
+    (walking back; ``node`` is what it wrote) or one that reads it (walking on)."""
 
-    count: int
     key: str | None
-    #: the statements walked through, in execution order
+    #: the statements walked through, in execution order (a fused end's own included)
     path: tuple[Statement, ...]
+    fused: Statement | None = None
+    node: int | None = None
+
+    @property
+    def what(self) -> tuple[str | None, int]:
+        """What tells two ends apart (the first way found to each is kept)."""
+        return self.key, id(self.fused)
+
+    def describe(self) -> str:
+        if self.fused is None:
+            return f"'{self.key}'"
+        where = self.fused.span.location() if self.fused.span else "?"
+        return f"the fused statement at {where}"
+
+
+Ends = dict[tuple[str | None, int], End]
 
 
 @dataclass
 class DataFlow:
     """Versioned names over the statements in execution order (reverse mode: reversed and
-    with sides swapped)."""
+    with sides swapped). A node is one version of a name; nodes are numbered as they are
+    made, so the nodes a statement reads have lower numbers than the ones it writes."""
 
     statements: list[Statement]
     reverse: bool
@@ -51,8 +73,6 @@ class DataFlow:
     inputs: list[list[int]] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     final: dict[str, int] = field(default_factory=dict)
-    #: written statement -> its position in execution order
-    position: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, program: Program, reverse: bool) -> DataFlow:
@@ -61,7 +81,6 @@ class DataFlow:
         flow = cls([written[i] for i in order], reverse)
         current: dict[str, int] = {}
         for executed, index in enumerate(order):
-            flow.position[id(written[index])] = executed
             statement = written[index]
             reads, writes = ((statement.right, statement.left) if reverse
                              else (statement.left, statement.right))
@@ -84,6 +103,10 @@ class DataFlow:
             flow.outputs.append(write_nodes)
         flow.final = current
         return flow
+
+    def executed(self, index: int) -> int:
+        """The position in execution order of the statement at ``index`` in the program."""
+        return len(self.statements) - 1 - index if self.reverse else index
 
     def _new_node(self, name: str, producer: int | None) -> int:
         self.node_name.append(name)
@@ -108,22 +131,42 @@ class Chains:
     def __init__(self, flow: DataFlow, ctx: CompileContext) -> None:
         self.flow = flow
         self.ctx = ctx
-        self._from: dict[int, dict[int, End]] = {}
-        self._to: dict[int, dict[int, End]] = {}
+        self._from: dict[int, Ends] = {}
+        self._to: dict[int, Ends] = {}
         self._written: dict[int, int] = {}
-        #: nodes whose data reaches another fused statement (which takes their layout)
-        self._into_fused: set[int] = set()
         #: the statement whose question is being answered (errors point at it)
         self._asked_by: Statement | None = None
 
-    def shard_count(self, statement: Statement, name: str, *, left: bool) -> int:
-        """Shards of ``name``, written on the ``left`` (or right) of ``statement``.
+    def temporaries(self) -> list[tuple[str, list[str], list[str]]]:
+        """(name, where its data comes from, where it goes) for every name a statement
+        writes and a later one reads, in execution order; a name written several times is
+        numbered (`t#2`)."""
+        flow = self.flow
+        versions: dict[str, int] = {}
+        written: list[tuple[int, str]] = []
+        for node, name in enumerate(flow.node_name):
+            if flow.producer[node] is not None:
+                versions[name] = versions.get(name, 0) + 1
+                written.append((node, f"{name}#{versions[name]}"))
+        rows = []
+        for node, label in written:
+            if not flow.consumers[node]:
+                continue
+            name = flow.node_name[node]
+            rows.append((label if versions[name] > 1 else name,
+                         _described(self._sources(node)), _described(self._destinations(node))))
+        return rows
+
+    def shard_count(self, index: int, name: str, *, left: bool) -> int:
+        """Shards of ``name``, written on the ``left`` (or right) of the statement at
+        ``index`` in the program.
 
         A name the statement reads is counted where its data comes from (the source
         checkpoint), one it writes where its data goes (the destination); in reverse mode
         the right side is read and the left written."""
         flow = self.flow
-        executed = flow.position[id(statement)]
+        executed = flow.executed(index)
+        statement = flow.statements[executed]
         self._asked_by = statement
         if left != flow.reverse:
             read = next(n for n in flow.inputs[executed] if flow.node_name[n] == name)
@@ -136,14 +179,13 @@ class Chains:
         count = self._written.get(node)
         if count is None:
             count = 1 if self.ctx.destination is None else self._decide(
-                statement, self.flow.node_name[node], self._destinations(node), "destination",
-                into_fused=node)
+                statement, self.flow.node_name[node], self._destinations(node), "destination")
             self._written[node] = count
         return count
 
-    def _sources(self, node: int) -> dict[int, End]:
-        """Shard count -> the first way found from ``node`` back to where its data is laid
-        out: a source key, or the fused statement that wrote it."""
+    def _sources(self, node: int) -> Ends:
+        """The ends of the ways from ``node`` back to where its data is laid out: source
+        keys, or the fused statement that wrote it."""
         flow = self.flow
 
         def upstream(n: int) -> list[int]:
@@ -152,37 +194,32 @@ class Chains:
                 return []
             return flow.inputs[producer]
 
-        # the nodes a statement reads were made before the nodes it writes: answered in
-        # ascending order, each finds its inputs' answers made (no recursion, however long
-        # the chain)
-        for n in sorted(_reachable(node, upstream, self._from)):
+        # answered in ascending order, each node finds its inputs' answers made (no
+        # recursion, however long the chain)
+        for n in sorted(_unanswered(node, upstream, self._from)):
             self._from[n] = self._sources_of(n)
         return self._from[node]
 
-    def _sources_of(self, node: int) -> dict[int, End]:
-        flow, ends = self.flow, {}
+    def _sources_of(self, node: int) -> Ends:
+        flow = self.flow
         producer = flow.producer[node]
         if producer is None:
-            key = flow.node_name[node]
-            count = self._stored_count(self.ctx.source, key, "source")
-            if count is not None:
-                ends[count] = End(count, key, ())
-            return ends
+            end = End(flow.node_name[node], ())
+            return {end.what: end}
         statement = flow.statements[producer]
-        flag = _fused_flag(statement)
-        if flag is not None:
-            # fused_qkv's grouped layout and a split form's plain parts: one shard
-            count = (self._written_count(statement, node) if flag in PER_SHARD_FLAGS
-                     and len(flow.outputs[producer]) == 1 else 1)
-            ends[count] = End(count, None, (statement,))
-            return ends
+        if _fused_flag(statement) is not None:
+            end = End(None, (statement,), statement, node)
+            return {end.what: end}
+        ends: Ends = {}
         for read in flow.inputs[producer]:
-            for count, end in self._from[read].items():
-                ends.setdefault(count, End(count, end.key, (*end.path, statement)))
+            for what, end in self._from[read].items():
+                if what not in ends:
+                    ends[what] = End(end.key, (*end.path, statement), end.fused, end.node)
         return ends
 
-    def _destinations(self, node: int) -> dict[int, End]:
-        """Shard count -> the first way found from ``node`` on to a destination key."""
+    def _destinations(self, node: int) -> Ends:
+        """The ends of the ways from ``node`` on: destination keys, and the fused
+        statements that read it."""
         flow = self.flow
 
         def downstream(n: int) -> list[int]:
@@ -190,52 +227,66 @@ class Chains:
                     if _fused_flag(flow.statements[consumer]) is None
                     for written in flow.outputs[consumer]]
 
-        for n in sorted(_reachable(node, downstream, self._to), reverse=True):
+        for n in sorted(_unanswered(node, downstream, self._to), reverse=True):
             self._to[n] = self._destinations_of(n)
         return self._to[node]
 
-    def _destinations_of(self, node: int) -> dict[int, End]:
-        flow, ends = self.flow, {}
+    def _destinations_of(self, node: int) -> Ends:
+        flow = self.flow
+        ends: Ends = {}
         name = flow.node_name[node]
         if flow.final.get(name) == node and name in self.ctx.destination_keys:
-            count = self._stored_count(self.ctx.destination, name, "destination")
-            if count is not None:
-                ends[count] = End(count, name, ())
+            end = End(name, ())
+            ends[end.what] = end
         for consumer in flow.consumers[node]:
             statement = flow.statements[consumer]
             if _fused_flag(statement) is not None:
-                self._into_fused.add(node)  # it reads the tensor in the layout decided here
+                end = End(None, (statement,), statement)
+                ends.setdefault(end.what, end)
                 continue
             for written in flow.outputs[consumer]:
-                for count, end in self._to[written].items():
-                    ends.setdefault(count, End(count, end.key, (statement, *end.path)))
-                if written in self._into_fused:
-                    self._into_fused.add(node)
+                for what, end in self._to[written].items():
+                    if what not in ends:
+                        ends[what] = End(end.key, (statement, *end.path), end.fused)
         return ends
 
-    def _stored_count(self, info: dict | None, key: str, what: str) -> int | None:
-        count, per_key = shard_count(info, key)
-        if count is None and per_key:
-            raise ChainError(
-                f"the {what} shards of '{key}' and its optimizer states disagree: "
-                + ", ".join(f"{k}: {v}" for k, v in per_key.items()),
-                self._asked_by.span if self._asked_by else None,
-                hint="Every optimizer state must be sharded like its parameter.")
-        return count
+    def _count(self, end: End, what: str) -> int | None:
+        """Over how many shards the tensor is laid out at ``end`` (None: not said there)."""
+        if end.key is not None:
+            info = self.ctx.source if what == "source" else self.ctx.destination
+            count, per_key = shard_count(info, end.key)
+            if count is None and per_key:
+                raise ChainError(
+                    f"the {what} shards of '{end.key}' and its optimizer states disagree: "
+                    + ", ".join(f"{k}: {v}" for k, v in per_key.items()),
+                    self._asked_by.span if self._asked_by else None,
+                    hint="Every optimizer state must be sharded like its parameter.")
+            return count
+        if what == "destination" or end.fused is None or end.node is None:
+            return None  # a fused statement reads it: in the layout decided here
+        producer = self.flow.producer[end.node]
+        if (_fused_flag(end.fused) in PER_SHARD_FLAGS and producer is not None
+                and len(self.flow.outputs[producer]) == 1):
+            return self._written_count(end.fused, end.node)
+        return 1  # fused_qkv's grouped layout, or a plain part of a split form
 
-    def _decide(self, statement: Statement, name: str, ends: dict[int, End], what: str,
-                into_fused: int | None = None) -> int:
-        if len(ends) > 1:
-            first, second = list(ends.values())[:2]
+    def _decide(self, statement: Statement, name: str, ends: Ends, what: str) -> int:
+        counts: dict[int, End] = {}
+        for end in ends.values():
+            count = self._count(end, what)
+            if count is not None:
+                counts.setdefault(count, end)
+        if len(counts) > 1:
+            (a, first), (b, second) = list(counts.items())[:2]
             raise ChainError(
-                f"'{name}' is laid out over {first.count} shards one way and {second.count} "
-                f"the other: its {what} key is ambiguous", statement.span,
-                related=[_describe(name, end, what) for end in (first, second)],
+                f"'{name}' is laid out over {a} shards one way and {b} the other: its "
+                f"{what} key is ambiguous", statement.span,
+                related=[_way(name, end, n, what) for n, end in ((a, first), (b, second))],
                 hint="Route the fused tensor to keys of one shard layout, or give each "
                      "layout its own fused statement and temporary name.")
-        if ends:
-            return next(iter(ends))
-        if into_fused in self._into_fused:
+        if counts:
+            return next(iter(counts))
+        if any(end.fused is not None for end in ends.values()):
             self.ctx.note(f"'{name}' flows into another fused statement and reaches no "
                           "destination key: laid out as one shard", statement.span)
         elif self.ctx.source if what == "source" else self.ctx.destination:
@@ -244,8 +295,8 @@ class Chains:
         return 1
 
 
-def _reachable(start: int, neighbours, answered: dict) -> set[int]:
-    """The nodes from ``start`` on that are not answered yet (an explicit stack)."""
+def _unanswered(start: int, neighbours: Callable[[int], list[int]], answered: dict) -> set[int]:
+    """The nodes reachable from ``start`` that have no answer yet (an explicit stack)."""
     found: set[int] = set()
     stack = [start]
     while stack:
@@ -257,23 +308,42 @@ def _reachable(start: int, neighbours, answered: dict) -> set[int]:
     return found
 
 
-def _describe(name: str, end: End, what: str) -> tuple[str, Span | None]:
+def _described(ends: Ends) -> list[str]:
+    return [end.describe() for end in ends.values()] or ["nothing known"]
+
+
+def _way(name: str, end: End, count: int, what: str) -> tuple[str, Span | None]:
     """A note on one way of an ambiguous layout: where it ends and through what."""
+    if end.fused is not None:
+        return (f"'{name}' is written by `{end.fused}`, which lays it out over {count} "
+                "shards", end.fused.span)
+    if not end.path:
+        return f"'{name}' is the {what} key '{end.key}' itself ({count} shards)", None
     shown = [f"`{statement}`" for statement in end.path]
     if len(shown) > 4:
         shown = [*shown[:2], f"... ({len(shown) - 3} more)", shown[-1]]
-    through = ", ".join(shown)
-    if end.key is None:
-        return (f"'{name}' is written by `{end.path[0]}`, which lays it out over "
-                f"{end.count} shards", end.path[0].span)
-    if not end.path:
-        return f"'{name}' is the {what} key '{end.key}' itself ({end.count} shards)", None
     nearest = end.path[-1] if what == "destination" else end.path[0]
     reach = "reaches" if what == "destination" else "comes from"
-    return (f"'{name}' {reach} '{end.key}' ({end.count} shards) through {through}",
+    return (f"'{name}' {reach} '{end.key}' ({count} shards) through {', '.join(shown)}",
             nearest.span)
 
 
-def run(program: Program, ctx: CompileContext) -> Program:
-    ctx.facts["chains"] = Chains(DataFlow.build(program, ctx.reverse), ctx)
-    return program
+@dataclass(frozen=True)
+class ChainedProgram:
+    """A program with its chains: what expand_fused reads to lay out the fused macros."""
+
+    program: Program
+    chains: Chains
+
+    def print(self, printer: Printer) -> None:
+        """The program, then each temporary with the keys its data comes from and goes to."""
+        printer.print_program(self.program)
+        rows = self.chains.temporaries()
+        if rows:
+            printer.line("# chains: where each temporary's data comes from and goes")
+            for name, sources, destinations in rows:
+                printer.line(f"{name}: from {', '.join(sources)}; to {', '.join(destinations)}")
+
+
+def run(program: Program, ctx: CompileContext) -> ChainedProgram:
+    return ChainedProgram(program, Chains(DataFlow.build(program, ctx.reverse), ctx))
