@@ -12,7 +12,10 @@ from pathlib import Path
 from aoa.errors import AoaError, UsageError
 from aoa.mapping import read_mapping, read_shard_info
 from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
-from aoa.pipeline import Compilation, analyze
+from aoa.passes.context import CompileContext
+from aoa.passes.parse import texts
+from aoa.pipeline import Compilation, analyze, new_context, run_passes
+from aoa.printer import Printer
 from aoa.storage.formats import FORMAT_NAMES
 from aoa.storage.huggingface import DEFAULT_MAX_FILE_BYTES
 
@@ -40,35 +43,60 @@ def cmd_compile(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    if args.print_after or args.time_passes:
+        return _explain_passes(args)
+    printer = Printer(sys.stdout)
     # every template instance in full, and nothing planned unless asked
     compilation = _compilation(args, tuple(p for p in through(propagate_shapes)
                                            if p is not share_instances))
     print("# statements after macro expansion")
-    for statement in compilation.program.statements:
-        written = statement.written()
-        where = written.span.location() if written.span else "?"
-        steps = [macro for macro, _ in statement.expansion()]
-        via = f"  [{where}{' via ' + ', '.join(steps) if steps else ''}]"
-        print(f"{statement}{via}")
+    printer.print_program(compilation.program)
     print()
     print("# destination keys and their pieces")
-    state = compilation.tensors
-    for key, tensor in state.outputs.items():
-        if tensor is None:
-            print(f"{key}: declared empty (`_ -> {key}`), left as it is")
-            continue
-        print(f"{key}: shape {list(tensor.shape)}, source dtype {tensor.dtype}")
-        for key_of_piece, piece in tensor.pieces():
-            target = ", ".join(f"{a}:{b}" for a, b in zip(piece.target_lo, piece.target_hi))
-            source = ", ".join(f"{a}:{b}" for a, b in zip(piece.source_lo, piece.source_hi))
-            ops = [op.text if hasattr(op, "text") else f"cast {op}" for op in piece.ops]
-            deleted = "  (deleted by `-> _`)" if key_of_piece in state.removed else ""
-            suffix = f"  ({'; '.join(ops)})" if ops else ""
-            print(f"    [{target}] <- {key_of_piece}[{source}]{suffix}{deleted}")
+    printer.print_tensors(compilation.tensors)
     if args.plan:
         print()
-        print(compilation.plan().describe())
+        printer.print_plan(compilation.plan())
     return EXIT_OK
+
+
+def _explain_passes(args) -> int:
+    """The pipeline as `aoa compile` runs it, printing the IR after the passes asked for
+    (up to the last of them, or all with --time-passes or --plan) and timing each."""
+    printer = Printer(sys.stdout)
+    wanted = set(args.print_after or ())
+    if "all" in wanted:
+        wanted = {p.NAME for p in PIPELINE}
+    passes: tuple[Pass, ...] = PIPELINE
+    if not (args.time_passes or args.plan):
+        passes = through(max((p for p in PIPELINE if p.NAME in wanted), key=PIPELINE.index))
+    times: list[tuple[str, float]] = []
+
+    def after(name: str, ir: object, ctx: CompileContext, seconds: float) -> None:
+        times.append((name, seconds))
+        if name in wanted:
+            printer.line(f"# after {name}")
+            printer.print_ir(ir)
+
+    statements, reverse, file = read_mapping(args.mapping)
+    ctx = new_context(read_shard_info(args.source, "source") or {},
+                      read_shard_info(args.destination, "destination"),
+                      reverse or args.reverse)
+    try:
+        run_passes(texts(statements, file=file), ctx, passes, after)
+    finally:
+        if args.time_passes:
+            _print_times(times)
+    return EXIT_OK
+
+
+def _print_times(times: Sequence[tuple[str, float]]) -> None:
+    """Seconds per pass and share of the total, on stderr (stdout holds the IR)."""
+    total = sum(seconds for _, seconds in times) or 1e-9
+    print(f"{'pass':<18} {'seconds':>9} {'share':>7}", file=sys.stderr)
+    for name, seconds in times:
+        print(f"{name:<18} {seconds:>9.4f} {seconds / total:>7.1%}", file=sys.stderr)
+    print(f"{'total':<18} {sum(s for _, s in times):>9.4f}", file=sys.stderr)
 
 
 def cmd_check(args) -> int:
@@ -148,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "destination key, its pieces")
     _add_program_arguments(explain)
     explain.add_argument("--plan", action="store_true", help="also describe the plan")
+    explain.add_argument("--print-after", action="append", metavar="PASS",
+                         choices=[p.NAME for p in PIPELINE] + ["all"],
+                         help="print the IR after this pass (repeatable; 'all': every "
+                              "pass), running the passes as `aoa compile` does: "
+                              + ", ".join(p.NAME for p in PIPELINE))
+    explain.add_argument("--time-passes", action="store_true",
+                         help="time each pass (on stderr)")
     explain.set_defaults(run=cmd_explain)
     check = commands.add_parser("check", help="report errors and notes (exit 1 on errors)")
     _add_program_arguments(check)

@@ -95,16 +95,6 @@ def shard_count(info: ShardInfo | None, key: str) -> tuple[int | None, dict[str,
     return (values.pop() if len(values) == 1 else None), counts
 
 
-def layout_ids(info: ShardInfo | None) -> dict[str, int]:
-    """A small number per key standing for its shards' boxes and dtypes, in listed order:
-    keys with equal numbers are laid out alike. Worked out once per compile, for the passes
-    that treat alike keys alike (sharing template instances, memoized planning)."""
-    ids: dict[tuple, int] = {}
-    return {key: ids.setdefault(tuple([(s.global_offset, s.local_shape, s.global_shape, s.dtype)
-                                       for s in shards]), len(ids))
-            for key, shards in (info or {}).items()}
-
-
 def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[ShardDesc]] | None:
     """Accept ShardDesc objects, Paddle's ShardedWeightDesc (same attribute names) or
     case.json-style dicts; check each description's key and box."""

@@ -19,9 +19,9 @@ from aoa.layout import BETA_POW_SUFFIXES, OPTIMIZER_SUFFIXES, ShardDesc, normali
 from aoa.passes import PIPELINE, Pass
 from aoa.passes.context import CompileContext
 from aoa.passes.parse import texts
-from aoa.passes.plan import PlannedProgram, Planner, destination_shards, result_dtype
-from aoa.passes.propagate_shapes import SymbolicTensors
+from aoa.passes.plan import PlannedProgram, Planner, destination_shards
 from aoa.plan import Plan
+from aoa.symbolic import SymbolicTensors, dtype_after
 
 AfterPass = Callable[[str, Any, CompileContext, float], None]
 
@@ -82,7 +82,7 @@ class Compilation:
                     first = source[keys[0] + suffix][0]
                     outputs[target.key + suffix] = (first.global_shape, first.dtype)
                     continue
-                dtypes = {result_dtype(piece.ops, source[key + suffix][0].dtype)
+                dtypes = {dtype_after(piece.ops, source[key + suffix][0].dtype)
                           for key, piece in tensor.pieces()}
                 if len(dtypes) == 1:
                     outputs[target.key + suffix] = (target.global_shape, dtypes.pop())
@@ -101,6 +101,14 @@ def _collector_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def new_context(source: Mapping, destination: Mapping | None = None, reverse: bool = False
+                ) -> CompileContext:
+    """The context of one compile: the shard descriptions (ShardDesc, Paddle's descriptors
+    or JSON dicts), checked, and the direction."""
+    return CompileContext(normalize_shard_info(source, "source") or {},
+                          normalize_shard_info(destination, "destination"), reverse)
 
 
 def run_passes(ir: Any, ctx: CompileContext, passes: Sequence[Pass],
@@ -124,8 +132,7 @@ def analyze(statements: str | Sequence[str], source: Mapping, destination: Mappi
     ``passes`` may leave out share_instances (every template instance expanded in full) and
     stop after propagate_shapes (nothing planned until asked); they start with parse."""
     with _collector_paused():
-        ctx = CompileContext(normalize_shard_info(source, "source") or {},
-                             normalize_shard_info(destination, "destination"), reverse)
+        ctx = new_context(source, destination, reverse)
         result = run_passes(texts(statements, file=file), ctx, passes, after_pass)
     if isinstance(result, PlannedProgram):
         return Compilation(ctx, result.tensors, result.plan)

@@ -10,6 +10,7 @@ nothing here knows how copies run.
 from __future__ import annotations
 
 import bisect
+import io
 import itertools
 import json
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, overload
 
 from aoa.layout import ShardDesc
+from aoa.printer import Printer
 
 FORMAT = "aoa-plan/1"
 
@@ -176,30 +178,6 @@ class Plan:
     # -- for people ----------------------------------------------------------------------
     def describe(self) -> str:
         """One block per destination shard: where each of its regions comes from."""
-        lines = [f"plan: {len(self.sources)} source shards -> {len(self.destinations)} "
-                 f"destination shards, {len(self.copies)} copies, "
-                 f"{self.destination_bytes():,} bytes"]
-        grouped = self.copies_by_destination()
-        for index, dst in enumerate(self.destinations):
-            lines.append(f"{_box_text(dst)}  {dst.dtype or '-'}")
-            if index in self.untouched:
-                lines.append("    (left as it is: declared with `_ -> key`)")
-            for c in grouped[index]:
-                src = self.sources[c.source]
-                region = ", ".join(f"{a}:{a + n}" for a, n in zip(c.destination_start, c.shape))
-                source_region = ", ".join(f"{o + a}:{o + a + n}" for o, a, n in
-                                          zip(src.global_offset, c.source_start, c.source_shape))
-                steps = []
-                if c.order is not None:
-                    steps.append(f"permute {list(c.order)}")
-                steps += [f"round to {d}" for d in c.casts]
-                if (src.dtype or "float32") != (dst.dtype or "float32"):
-                    steps.append(f"cast {src.dtype} -> {dst.dtype}")
-                extra = f"  ({'; '.join(steps)})" if steps else ""
-                lines.append(f"    [{region}] <- {src.key}[{source_region}]{extra}")
-        return "\n".join(lines)
-
-
-def _box_text(shard: ShardDesc) -> str:
-    region = ", ".join(f"{o}:{o + n}" for o, n in zip(shard.global_offset, shard.local_shape))
-    return f"{shard.key}[{region}] of {list(shard.global_shape)}"
+        out = io.StringIO()
+        Printer(out).print_plan(self)
+        return out.getvalue().rstrip("\n")

@@ -11,11 +11,15 @@ followed both ways (the ways must agree).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aoa.errors import ChainError
 from aoa.ir import NOTHING, Program, Statement
 from aoa.layout import shard_count
 from aoa.passes.context import CompileContext
+
+if TYPE_CHECKING:
+    from aoa.printer import Printer
 
 NAME = "resolve_chains"
 
@@ -118,6 +122,27 @@ class Chains:
         self.flow = flow
         self.ctx = ctx
 
+    def temporaries(self) -> list[tuple[str, list[str], list[str]]]:
+        """(name, where its data comes from, where it goes) for every name a statement
+        writes and a later one reads, in execution order; a name written several times is
+        numbered (`t#2`)."""
+        flow = self.flow
+        versions: dict[str, int] = {}
+        written: list[tuple[int, str]] = []
+        for node, name in enumerate(flow.node_name):
+            if flow.producer[node] is not None:
+                versions[name] = versions.get(name, 0) + 1
+                written.append((node, f"{name}#{versions[name]}"))
+        rows = []
+        for node, label in written:
+            if not flow.consumers[node]:
+                continue
+            name = flow.node_name[node]
+            rows.append((label if versions[name] > 1 else name,
+                         _ends(flow.upstream(node)),
+                         _ends(flow.downstream(node, self.ctx.destination_keys))))
+        return rows
+
     def shard_count(self, index: int, name: str, *, left: bool) -> int:
         """Shards of ``name``, written on the ``left`` (or right) of the statement at
         ``index`` in the program.
@@ -178,12 +203,36 @@ class Chains:
         return 1
 
 
+def _ends(ends: list[Terminal | Statement]) -> list[str]:
+    """How `temporaries` names the ends of a walk: a key, a step with several names on the
+    other side, or nothing known."""
+    texts = []
+    for end in ends:
+        if isinstance(end, Statement):
+            where = end.span.location() if end.span else "?"
+            text = f"several names at {where}"
+        else:
+            text = "nothing known" if end.key is None else f"'{end.key}'"
+        if text not in texts:
+            texts.append(text)
+    return texts
+
+
 @dataclass(frozen=True)
 class ChainedProgram:
     """A program with its chains: what expand_fused reads to lay out the fused macros."""
 
     program: Program
     chains: Chains
+
+    def print(self, printer: Printer) -> None:
+        """The program, then each temporary with the keys its data comes from and goes to."""
+        printer.print_program(self.program)
+        rows = self.chains.temporaries()
+        if rows:
+            printer.line("# chains: where each temporary's data comes from and goes")
+            for name, sources, destinations in rows:
+                printer.line(f"{name}: from {', '.join(sources)}; to {', '.join(destinations)}")
 
 
 def run(program: Program, ctx: CompileContext) -> ChainedProgram:

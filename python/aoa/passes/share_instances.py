@@ -28,20 +28,20 @@ from aoa.passes.context import CompileContext
 NAME = "share_instances"
 
 
-def _signatures(info: dict[str, list[ShardDesc]] | None, layouts: dict[str, int]) -> dict:
-    """Per key, what stands for the layouts of it and its optimizer states: its layout id,
-    paired with its states' ids where the checkpoint holds states of it."""
+def _signatures(info: dict[str, list[ShardDesc]] | None, shardings: dict[str, int]) -> dict:
+    """Per key, what stands for the shardings of it and its optimizer states: its sharding
+    number, paired with its states' numbers where the checkpoint holds states of it."""
     states: dict[str, list[tuple[str, int]]] = {}
     for key in info or ():
         if key.endswith(OPTIMIZER_SUFFIXES):
             model_key, suffix = split_optimizer_suffix(key)
             if suffix in SHARD_COUNT_SUFFIXES:
-                states.setdefault(model_key, []).append((suffix, layouts[key]))
+                states.setdefault(model_key, []).append((suffix, shardings[key]))
     if not states:
-        return layouts
-    signatures: dict[str, object] = dict(layouts)
+        return shardings
+    signatures: dict[str, object] = dict(shardings)
     for model_key, found in states.items():
-        signatures[model_key] = (layouts.get(model_key), tuple(sorted(found)))
+        signatures[model_key] = (shardings.get(model_key), tuple(sorted(found)))
     return signatures
 
 
@@ -85,8 +85,9 @@ class _Sharing:
     def __init__(self, ctx: CompileContext, reads: Counter, writes: Counter) -> None:
         self.reads, self.writes = reads, writes
         self.source_keys = ctx.source_keys
-        self.source_signature = _signatures(ctx.source, ctx.source_layouts).get
-        self.destination_signature = _signatures(ctx.destination, ctx.destination_layouts).get
+        self.source_signature = _signatures(ctx.source, ctx.source_shardings).get
+        self.destination_signature = _signatures(ctx.destination,
+                                                 ctx.destination_shardings).get
         self.written_once = {name for name, count in writes.items()
                              if count == 1 and not name.endswith("^T")}
         #: what instances have alike -> the signature of their keys -> the kept one's
