@@ -9,8 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from aoa.errors import AoaError, UsageError
-from aoa.layout import ShardDesc
+from aoa.errors import AoaError, UsageError, quote
+from aoa.inputs import load_json, read_text
+from aoa.layout import ShardDesc, normalize_shard_info
 from aoa.pipeline import Compilation, analyze
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
@@ -21,51 +22,55 @@ def read_mapping(path: str) -> tuple[str | list[str], bool, str]:
 
     Returns (statements, reverse flag from the file, file name for messages)."""
     file = Path(path)
-    try:
-        text = file.read_text()
-    except OSError as error:
-        raise UsageError(f"cannot read mapping {path}: {error.strerror}") from None
+    text = read_text(file, "mapping")
     if file.suffix != ".json":
         return text, False, str(file)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}"
-                         ) from None
+    data = load_json(text, path)
     if isinstance(data, dict):
-        return (list(data.get("aoa_statements", [])), bool(data.get("aoa_config_reverse")),
-                str(file))
-    if isinstance(data, list) and all(isinstance(s, str) for s in data):
-        return data, False, str(file)
-    raise UsageError(f"{path}: expected a list of statements or an object with "
-                     "'aoa_statements'")
+        statements = data.get("aoa_statements", [])
+        reverse = data.get("aoa_config_reverse", False)
+        if not isinstance(reverse, bool):
+            raise UsageError(f"{path}: aoa_config_reverse is {quote(reverse)}, not true or "
+                             "false")
+    else:
+        statements, reverse = data, False
+    if not isinstance(statements, list) or not all(isinstance(s, str) for s in statements):
+        raise UsageError(f"{path}: expected a list of statements (texts) or an object with "
+                         f"'aoa_statements' (a list of texts); found {quote(statements)}")
+    return statements, reverse, str(file)
 
 
 def read_shard_info(path: str | None, what: str) -> dict[str, list[ShardDesc]] | None:
     """Shard-info JSON: {key: [{key, local_shape, global_shape, global_offset, dtype}, ...]}."""
     if path is None:
         return None
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise UsageError(f"cannot read {what} shard info {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}"
-                         ) from None
+    data = load_json(read_text(path, f"{what} shard info"), path)
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected an object mapping keys to lists of shards")
     try:
-        return {key: [ShardDesc.from_json(s) for s in (shards if isinstance(shards, list)
-                                                       else [shards])]
-                for key, shards in data.items()}
-    except (KeyError, TypeError, ValueError) as error:
-        raise UsageError(f"{path}: a shard description needs key, local_shape, global_shape, "
-                         f"global_offset and dtype ({error})") from None
+        return normalize_shard_info(data, what)
+    except UsageError as error:
+        raise UsageError(f"{path}: {error.message}", hint=error.hint) from None
+
+
+def read_source(path: str) -> dict[str, list[ShardDesc]]:
+    """The source shards of `--source`: shard-info JSON, or a checkpoint (a folder, a
+    safetensors file or an index), opened to read its shard descriptions."""
+    from aoa.convert import source_shard_info
+    from aoa.storage.checkpoint import open_source_checkpoint
+
+    name = Path(path).name
+    if not Path(path).is_dir() and name.endswith(".json") and not name.endswith(".index.json"):
+        return read_shard_info(path, "source") or {}
+    if not Path(path).exists():
+        raise UsageError(f"cannot read source {path}: no such file or folder")
+    with open_source_checkpoint(path) as checkpoint:
+        return source_shard_info(checkpoint)
 
 
 def _compilation(args, share: bool = True) -> Compilation:
     statements, reverse, file = read_mapping(args.mapping)
-    return analyze(statements, read_shard_info(args.source, "source") or {},
+    return analyze(statements, read_source(args.source),
                    read_shard_info(args.destination, "destination"),
                    reverse=reverse or args.reverse, file=file, share=share)
 
@@ -193,7 +198,9 @@ def cmd_demo(args) -> int:
 def _add_program_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("mapping", help="AOA statements: a .aoa file, or JSON (a list of "
                                         "statements or Paddle's aoa_config)")
-    parser.add_argument("--source", required=True, help="source shard info (JSON)")
+    parser.add_argument("--source", required=True,
+                        help="the source: a checkpoint (a safetensors file or folder, as for "
+                             "convert) or its shard info (JSON)")
     parser.add_argument("--destination", help="destination shard info (JSON); without it "
                                               "the outputs are derived, as in a full export")
     parser.add_argument("--reverse", action="store_true",

@@ -98,8 +98,10 @@ def open_source_checkpoint(path: str | os.PathLike[str]) -> SourceCheckpoint:
     """
     path = Path(path)
     index = path / INDEX_NAME
+    if path.is_file() and path.name.endswith(".index.json"):
+        index = path  # an index names its folder's files
     weight_map = None
-    if path.is_file():
+    if path.is_file() and index != path:
         names = [path]
     elif index.is_file():
         weight_map = _read_index(index)
