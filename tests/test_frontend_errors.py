@@ -271,7 +271,7 @@ def test_a_missing_source_is_a_usage_error(tmp_path, capsys):
 
 
 def test_a_layout_of_too_many_ranks(tmp_path):
-    from aoa.destination_layout import read_layout
+    from aoa.mesh_layout import read_mesh_layout as read_layout
 
     layout = tmp_path / "l.toml"
     layout.write_text("[mesh]\ntp = 1000\npp = 1000\n")

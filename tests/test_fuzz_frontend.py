@@ -27,6 +27,7 @@ from aoa import cli
 from aoa.dtypes import NUMPY_DTYPES, numpy_dtype
 from aoa.errors import AoaError
 from aoa.runtime import cpp_backend, numpy_backend
+from aoa.runtime.lower import kernel_copies
 
 #: Source keys the statements name, and their global shapes.
 SOURCE_SHAPES = {
@@ -170,7 +171,7 @@ def run_plan(plan: aoa.Plan, seed: int) -> None:
     rng = np.random.default_rng(seed)
     sources = [rng.integers(0, 256, s.numel * numpy_dtype(s.dtype).itemsize, np.uint8)
                for s in plan.sources]
-    copies = plan.kernel_copies()
+    copies = kernel_copies(plan)
     results = []
     for backend in (numpy_backend, cpp_backend):
         destinations = [np.zeros(d.numel * numpy_dtype(d.dtype).itemsize, np.uint8)

@@ -10,6 +10,7 @@ written to a file or a terminal later.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from aoa.errors import AoaError, UsageError
 
 
-def read_text(path: str | Path, what: str, error: type[AoaError] = UsageError) -> str:
+def read_text(path: str | os.PathLike[str], what: str, error: type[AoaError] = UsageError) -> str:
     """The UTF-8 text of ``path``, ``what`` it is named in messages ("mapping", ...)."""
     try:
         data = Path(path).read_bytes()
@@ -27,7 +28,8 @@ def read_text(path: str | Path, what: str, error: type[AoaError] = UsageError) -
     return decode(data, path, what, error)
 
 
-def decode(data: bytes, path: str | Path, what: str, error: type[AoaError] = UsageError) -> str:
+def decode(data: bytes, path: str | os.PathLike[str], what: str,
+           error: type[AoaError] = UsageError) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as failure:

@@ -44,6 +44,11 @@ class ShardDesc:
     def numel(self) -> int:
         return prod(self.local_shape)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the box (dtype None reads as float32, as in Paddle)."""
+        return prod(self.local_shape) * itemsize(self.dtype or "float32")
+
     def to_json(self) -> dict:
         return {"key": self.key, "local_shape": list(self.local_shape),
                 "global_shape": list(self.global_shape),
@@ -94,16 +99,6 @@ def shard_count(info: ShardInfo | None, key: str) -> tuple[int | None, dict[str,
             counts[key + suffix] = len({shard.global_offset for shard in shards})
     values = set(counts.values())
     return (values.pop() if len(values) == 1 else None), counts
-
-
-def layout_ids(info: ShardInfo | None) -> dict[str, int]:
-    """A small number per key standing for its shards' boxes and dtypes, in listed order:
-    keys with equal numbers are laid out alike. Worked out once per compile, for the passes
-    that treat alike keys alike (sharing template instances, memoized planning)."""
-    ids: dict[tuple, int] = {}
-    return {key: ids.setdefault(tuple([(s.global_offset, s.local_shape, s.global_shape, s.dtype)
-                                       for s in shards]), len(ids))
-            for key, shards in (info or {}).items()}
 
 
 def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[ShardDesc]] | None:

@@ -20,6 +20,8 @@ from aoa.ir import Name, Origin, Program, Statement
 from aoa.limits import MAX_MACRO_NAMES, MAX_TEMPLATE_INSTANCES
 from aoa.passes.context import CompileContext
 
+NAME = "expand_macros"
+
 LAYER_ID_OFFSET = "$LAYER_ID_OFFSET"
 PLACEHOLDERS = ("$EXPERT_ID", "$LAYER_ID")  # sorted by name: expert id is the major key
 
