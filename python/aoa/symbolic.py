@@ -243,9 +243,12 @@ def intersect(piece_map: PieceMap, lo: Box, hi: Box) -> list[Entry]:
 # -- tensors ---------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Tensor:
-    """A symbolic tensor: a shared piece map plus the source keys its slots stand for."""
+    """A symbolic tensor: a shared piece map plus the source keys its slots stand for.
+
+    A tensor is an object, not a value: names bound to the same tensor are aliases of it
+    (`a -> b, axis=0` with one name a side), and its ``uses`` count its readers."""
 
     piece_map: PieceMap
     keys: tuple[str, ...]

@@ -1,10 +1,10 @@
 """Propagate shapes: run the statements over symbolic tensors (spec 6.1-6.6).
 
-A symbolic tensor is an ordered list of pieces, each saying "this box of me is that box of a
-source key, permuted and cast like so". Splits, concats, permutes, casts, renames and
-aliases only move boxes around, so the whole program costs time in the number of pieces,
-not in bytes. The result, every destination key's tensor (SymbolicTensors), is what the
-plan pass reads.
+A symbolic tensor (symbolic.py) is an ordered list of pieces, each saying "this box of me is
+that box of a source key, permuted and cast like so". Splits, concats, permutes, casts,
+renames and aliases only move boxes around, so the whole program costs time in the number
+of pieces, not in bytes. The result, every destination key's tensor (SymbolicTensors), is
+what the plan pass reads.
 """
 
 from __future__ import annotations
@@ -288,10 +288,10 @@ def select_outputs(state: SymbolicTensors, ctx: CompileContext) -> None:
     # No destination: every tensor nobody consumed is an output, inputs first.
     selected = {name: Tensor(t.piece_map, t.keys, t.dtype, name=name)
                 for name, t in state.inputs.items() if t.uses == 0 and name not in state.removed}
-    taken = {id(state.inputs[name]) for name in selected}
+    taken = {state.inputs[name] for name in selected}  # an alias is the same tensor
     for name, tensor in state.bound.items():
-        if tensor.uses == 0 and name not in selected and id(tensor) not in taken:
-            taken.add(id(tensor))
+        if tensor.uses == 0 and name not in selected and tensor not in taken:
+            taken.add(tensor)
             selected[name] = Tensor(tensor.piece_map, tensor.keys, tensor.dtype, name=name)
     state.outputs = selected
 
