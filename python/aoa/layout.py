@@ -4,10 +4,15 @@ suffixes that let optimizer tensors follow their parameter (spec 1.1, 1.2)."""
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import Protocol
+
+import numpy as np
 
 from aoa.dtypes import NUMPY_DTYPES, is_known, itemsize
 from aoa.errors import UsageError, quote
@@ -181,3 +186,89 @@ def _check_shard(shard: ShardDesc) -> None:
         if offset < 0 or size < 0 or offset + size > total:
             raise UsageError(f"shard of '{key}' reaches past its global shape on axis "
                              f"{axis}: offset {offset} + size {size} > {total}")
+
+
+# -- box arithmetic over shards: replicas, coverage, overlaps ------------------------------
+
+#: Above this many boundary-grid cells (irregular boxes), compare boxes pairwise instead.
+_MAX_GRID_CELLS = 1 << 22
+
+
+class _Box(Protocol):
+    @property
+    def global_offset(self) -> tuple[int, ...]: ...
+    @property
+    def local_shape(self) -> tuple[int, ...]: ...
+
+
+def distinct_boxes(shards: Sequence[_Box]) -> list[int]:
+    """Positions of the distinct boxes among ``shards``, in order: a replica (the same box
+    listed again, as every rank of a data-parallel group saves it) counts once, at its
+    first listing."""
+    first: dict[tuple, int] = {}
+    for position, shard in enumerate(shards):
+        first.setdefault((shard.global_offset, shard.local_shape), position)
+    return list(first.values())
+
+
+def elements(shards: Iterable[_Box]) -> int:
+    """Elements the boxes hold together, counted box by box (overlaps counted twice)."""
+    return sum(prod(shard.local_shape) for shard in shards)
+
+
+def overlapping_pair(shards: Sequence[_Box]) -> tuple[int, int] | None:
+    """Positions of two boxes that share an element, if any."""
+    if len(shards) < 2:
+        return None
+    ndim = len(shards[0].global_offset)
+    starts = np.array([s.global_offset for s in shards], np.int64).reshape(len(shards), ndim)
+    ends = starts + np.array([s.local_shape for s in shards], np.int64).reshape(starts.shape)
+    return _overlapping_boxes(starts, ends)
+
+
+def _overlapping_boxes(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+    """Two boxes [start, end) that share an element, if any.
+
+    Counted on the grid of all box boundaries: a cell between consecutive boundaries is
+    wholly inside a box or wholly outside, so a cell inside two boxes is an overlap. The
+    counts come from a difference array (+1/-1 at each box's corners, then a cumulative sum
+    per axis), in time linear in boxes and cells; irregular boxes fall back to pairs.
+    """
+    count, ndim = starts.shape
+    if count < 2:
+        return None
+    if ndim == 0:
+        return (0, 1)
+    bounds = [np.unique(np.concatenate([starts[:, a], ends[:, a]])) for a in range(ndim)]
+    if math.prod(len(b) - 1 for b in bounds) > _MAX_GRID_CELLS:
+        return _overlapping_boxes_pairwise(starts, ends)
+    low = [np.searchsorted(bounds[a], starts[:, a]) for a in range(ndim)]
+    high = [np.searchsorted(bounds[a], ends[:, a]) for a in range(ndim)]
+    cells = np.zeros([len(b) for b in bounds], np.int32)
+    for corner in itertools.product((False, True), repeat=ndim):
+        index = tuple(high[a] if up else low[a] for a, up in enumerate(corner))
+        np.add.at(cells, index, -1 if sum(corner) % 2 else 1)
+    for axis in range(ndim):
+        cells = np.cumsum(cells, axis=axis)
+    crowded = np.argwhere(cells > 1)
+    if not len(crowded):
+        return None
+    point = np.array([bounds[a][crowded[0][a]] for a in range(ndim)])
+    inside = np.flatnonzero(((starts <= point) & (point < ends)).all(axis=1))
+    return int(inside[0]), int(inside[1])
+
+
+def _overlapping_boxes_pairwise(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+    """The same answer by comparing each box with every later one, a block at a time."""
+    for first in range(0, len(starts), 256):
+        block = slice(first, first + 256)
+        inner = np.minimum(ends[block, None], ends[None]) > np.maximum(
+            starts[block, None], starts[None]
+        )
+        shared = inner.all(axis=2) & (
+            np.arange(len(starts))[None] > np.arange(first, first + len(inner))[:, None]
+        )
+        if shared.any():
+            i, j = np.argwhere(shared)[0]
+            return first + int(i), int(j)
+    return None

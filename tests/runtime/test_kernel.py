@@ -435,36 +435,48 @@ def test_bad_copies_are_refused_before_any_byte_moves(copy, message):
     assert message in cpp_message
 
 
-def test_the_kernel_refuses_bad_tables():
-    def table(*fields):
-        return np.array(fields, np.int64)
+RECORD = (0, 0, 0, 0, 1, 1, 0, 1, 2, 4, 4)  # 2 float32, contiguous
 
+
+def test_the_kernel_runs_a_table():
     sources, destinations = [bytes(range(8))], [bytearray(8)]
-    record = (0, 0, 0, 0, 1, 1, 0, 1, 2, 4, 4)  # 2 float32, contiguous
-    _core.execute_copies(table(*record), sources, destinations)
+    _core.execute_copies(np.array(RECORD, np.int64), sources, destinations)
     assert destinations[0] == sources[0]
-    for fields, message in [
-        ((*record, *record[:-1]), "copy 1: the table ends inside"),
-        ((0, 0, 0, 0, 15, 1, 0, 0), "copy 0: unknown dtype code 15"),
-        ((0, 0, 0, 0, 1, 1, 1, -1, 0), "copy 0: unknown dtype code -1"),
-        ((0, 0, 0, 0, 1, 1, 0, -1), "copy 0: negative number of axes"),
-    ]:
-        with pytest.raises(_core.CopyError, match=message):
-            _core.execute_copies(table(*fields), sources, destinations)
-    with pytest.raises(ValueError, match="int64"):
-        _core.execute_copies(np.zeros(3, np.int32), sources, destinations)
-    with pytest.raises(ValueError, match="threads"):
-        _core.execute_copies(table(*record), sources, destinations, threads=0)
 
 
-def test_destinations_must_be_writable_and_contiguous():
+@pytest.mark.parametrize(("table", "threads", "error", "message"), [
+    ((*RECORD, *RECORD[:-1]), 1, _core.CopyError, "copy 1: the table ends inside"),
+    ((0, 0, 0, 0, 15, 1, 0, 0), 1, _core.CopyError, "copy 0: unknown dtype code 15"),
+    ((0, 0, 0, 0, 1, 1, 1, -1, 0), 1, _core.CopyError, "copy 0: unknown dtype code -1"),
+    ((0, 0, 0, 0, 1, 1, 0, -1), 1, _core.CopyError, "copy 0: negative number of axes"),
+    (np.zeros(3, np.int32), 1, ValueError, "int64"),
+    (RECORD, 0, ValueError, "threads"),
+])
+def test_the_kernel_refuses_bad_tables(table, threads, error, message):
+    destinations = [bytearray(8)]
+    with pytest.raises(error, match=message):
+        _core.execute_copies(np.asarray(table, np.int64) if isinstance(table, tuple) else table,
+                             [bytes(range(8))], destinations, threads=threads)
+    assert destinations[0] == bytearray(8)
+
+
+def _read_only() -> np.ndarray:
+    array = np.zeros(2, np.float32)
+    array.flags.writeable = False
+    return array
+
+
+@pytest.mark.parametrize("execute", [numpy_backend.execute_copies, cpp_backend.execute_copies])
+@pytest.mark.parametrize("destination", [bytes(8), np.zeros(4, np.float32)[::2], _read_only()],
+                         ids=["bytes", "strided", "read-only"])
+def test_destinations_must_be_writable_and_contiguous(execute, destination):
     copy = Copy(0, 0, (4,), 0, 0, (4,), (2,), "float32", "float32")
-    read_only = np.zeros(2, np.float32)
-    read_only.flags.writeable = False
-    for destination in (bytes(8), np.zeros(4, np.float32)[::2], read_only):
-        for execute in (numpy_backend.execute_copies, cpp_backend.execute_copies):
-            with pytest.raises(ExecutionError, match="destination 0 is not a"):
-                execute([copy], [bytes(8)], [destination])
+    with pytest.raises(ExecutionError, match="destination 0 is not a"):
+        execute([copy], [bytes(8)], [destination])
+
+
+def test_threads_must_be_at_least_one():
+    copy = Copy(0, 0, (4,), 0, 0, (4,), (2,), "float32", "float32")
     with pytest.raises(UsageError):
         cpp_backend.execute_copies([copy], [bytes(8)], [bytearray(8)], threads=0)
 
