@@ -41,9 +41,10 @@ import transformers
 from paddle_crosscheck import DEFAULT_PADDLE_PYTHON, ask_paddle, assemble
 
 import aoa
-from aoa.convert import derived_outputs
 from aoa.dtypes import numpy_dtype
+from aoa.jobs.job import derived_outputs
 from aoa.layout import ShardDesc
+from aoa.mapping import MappingText
 from aoa.models import Config, Mesh, family_of, mapping_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,9 +137,9 @@ def freeze(name: str, rng: np.random.Generator, output: Path, paddle_python: str
     # PaddleFormers' tied Llama does; its model asks for them all).
     source_info = {k: [ShardDesc.from_json(s) for s in v] for k, v in source.items()}
     ours = mapping_for(cfg.with_checkpoint(frozenset(expected)), "paddleformers", mesh)
-    outputs = derived_outputs(ours.forward, source_info, False, None)
-    exported = set(derived_outputs(statements["forward"], source_info, False, None))
-    by_key, _ = ours.layout.shards(outputs)
+    outputs = derived_outputs(MappingText(ours.forward), source_info)
+    exported = set(derived_outputs(MappingText(statements["forward"]), source_info))
+    by_key = ours.layout.shards(outputs).by_key
     destination = {key: [s.to_json() for s in shards] for key, shards in by_key.items()}
     queries = [shard for shards in destination.values() for shard in shards]
     case: dict[str, Any] = {"name": name, "aoa_statements": statements["forward"],

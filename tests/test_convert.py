@@ -9,7 +9,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
+from safetensors_files import read_back, save
 
 from aoa.cli import main
 
@@ -54,42 +55,6 @@ def expected_rank(hf, rank):
         half = slice(rank * 4, rank * 4 + 4)
         out[f"b.{layer}.up_gate"] = np.concatenate([gate[:, half], up[:, half]], axis=1)
         out[f"b.{layer}.norm"] = hf[f"a.{layer}.norm"].astype(np.float32)
-    return out
-
-
-def save(path: Path, arrays, metadata=None):
-    """safetensors' own writer; bfloat16 goes in as its bit pattern under a BF16 header."""
-    plain = {k: v for k, v in arrays.items() if v.dtype != ml_dtypes.bfloat16}
-    save_file(plain, str(path), metadata=metadata)
-    brain = {k: v for k, v in arrays.items() if v.dtype == ml_dtypes.bfloat16}
-    if brain:
-        _rewrite_with_bf16(path, arrays, metadata)
-
-
-def _rewrite_with_bf16(path, arrays, metadata):
-    header, data, offset = {}, [], 0
-    codes = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16"}
-    for name, array in arrays.items():
-        raw = np.ascontiguousarray(array).view(np.uint8).tobytes()
-        header[name] = {"dtype": codes[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        data.append(raw)
-        offset += len(raw)
-    if metadata:
-        header["__metadata__"] = metadata
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(data))
-
-
-def read_back(path: Path):
-    """Tensors of a safetensors file through the `safetensors` package (bf16 as raw bits)."""
-    from safetensors import deserialize
-
-    out = {}
-    for name, info in deserialize(path.read_bytes()):
-        dtype = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[info["dtype"]]
-        out[name] = np.frombuffer(bytes(info["data"]), dtype=dtype).reshape(info["shape"])
     return out
 
 
@@ -215,32 +180,31 @@ def no_partial_files(folder: Path) -> bool:
     return not folder.exists() or not any(folder.iterdir())
 
 
-def test_unknown_key_in_mapping_is_an_error(workspace, capsys):
+def _unknown_key(workspace):
     hf_single(workspace / "src", tensors())
-    (workspace / "bad.aoa").write_text("a.0.gate -> x\nmissing.key -> y\n")
-    assert main(["convert", str(workspace / "bad.aoa"), "--source", str(workspace / "src"),
-                 "--output", str(workspace / "out"), "--quiet"]) == 1
-    err = capsys.readouterr().err
-    assert "bad.aoa:2:1: error: 'missing.key' is neither a source key nor assigned before" in err
-    assert no_partial_files(workspace / "out")
+    (workspace / "map.aoa").write_text("a.0.gate -> x\nmissing.key -> y\n")
+    return "map.aoa:2:1: error: 'missing.key' is neither a source key nor assigned before"
 
 
-def test_missing_shard_file_is_an_error(workspace, capsys):
+def _missing_shard_file(workspace):
     hf_index(workspace / "src", tensors())
     (workspace / "src" / "model-00002-of-00002.safetensors").unlink()
-    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
-                 "--output", str(workspace / "out"), "--quiet"]) == 1
-    assert "model-00002-of-00002.safetensors" in capsys.readouterr().err
-    assert no_partial_files(workspace / "out")
+    return "model-00002-of-00002.safetensors"
 
 
-def test_truncated_source_is_an_error(workspace, capsys):
+def _truncated_source(workspace):
     hf_single(workspace / "src", tensors())
     path = workspace / "src" / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-10])
+    return "model.safetensors: tensor 'a.0.norm': truncated"
+
+
+@pytest.mark.parametrize("make", [_unknown_key, _missing_shard_file, _truncated_source])
+def test_bad_input_is_an_error_and_writes_nothing(workspace, capsys, make):
+    fragment = make(workspace)
     assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
                  "--output", str(workspace / "out"), "--quiet"]) == 1
-    assert "model.safetensors" in capsys.readouterr().err
+    assert fragment in capsys.readouterr().err
     assert no_partial_files(workspace / "out")
 
 
@@ -295,3 +259,37 @@ def test_optimizer_states_follow_their_parameter(workspace):
         assert got["b.1.up_gate.beta1_pow_acc_0"].tobytes() == hf["a.1.gate.beta1_pow_acc_0"] \
             .tobytes()
         assert "b.0.norm.moment1_0" not in got  # the norm has no moments in the source
+
+
+def test_output_format_by_name(workspace):
+    """Whole tensors written as one rank of dcp-safetensors, read back as a checkpoint."""
+    hf = tensors()
+    hf_single(workspace / "src", hf)
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--source-format", "safetensors", "--output", str(workspace / "out"),
+                 "--output-format", "dcp-safetensors", "--quiet"]) == 0
+    path = workspace / "out" / "rank-00000-of-00001.safetensors"
+    got, want = read_back(path), expected_full(hf)
+    assert {key: value.tobytes() for key, value in got.items()} == {
+        key: value.tobytes() for key, value in want.items()}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+    assert info["b.0.up_gate"]["saved_offsets"] == [0, 0]
+
+
+@pytest.mark.parametrize(("option", "name", "message"), [
+    ("--source-format", "npz", "aoa: error: unknown source format 'npz'"),
+    ("--output-format", "npz", "aoa: error: unknown output format 'npz'"),
+    ("--output-format", "bin", "aoa: error: output format 'bin' cannot be written"),
+    ("--output-format", "safetensors", "aoa: error: the safetensors format (Hugging Face) "
+                                       "holds whole tensors, not one file per rank"),
+])
+def test_format_names_refused(workspace, capsys, option, name, message):
+    hf_single(workspace / "src", tensors())
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--layout", str(workspace / "tp2.toml"),
+                 option, name, "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith(message)
+    assert not (workspace / "out").exists()

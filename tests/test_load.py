@@ -4,19 +4,19 @@ buffers, checked byte for byte against numpy computing the same layout directly.
 from __future__ import annotations
 
 import array
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors_files import save_folder
 from sharding import shard_buffers
 
 import aoa
 from aoa import demo
-from aoa.convert import derived_outputs, source_shard_info
-from aoa.destination_layout import read_layout
-from aoa.storage.checkpoint import open_source_checkpoint
-from aoa.storage.safetensors import TensorSpec, write_safetensors
+from aoa.jobs.job import derived_outputs
+from aoa.mapping import MappingText
+from aoa.mesh_layout import read_mesh_layout
+from aoa.storage import open_source
 
 MAPPING = """\
 w^T -> wt
@@ -24,22 +24,6 @@ a, b -> ab, axis=1
 c -> c1, c2, axis=0
 h -> hf, dtype='float32'
 """
-
-
-def write_checkpoint(folder: Path, tensors: dict[str, np.ndarray]) -> Path:
-    def fill(views):
-        for name, view in views.items():
-            np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
-
-    specs = [TensorSpec(k, _name(v.dtype), v.shape) for k, v in tensors.items()]
-    write_safetensors(folder / "model.safetensors", specs, None, fill)
-    return folder
-
-
-def _name(dtype: np.dtype) -> str:
-    from aoa.dtypes import NUMPY_DTYPES
-
-    return next(name for name, d in NUMPY_DTYPES.items() if d == dtype)
 
 
 @pytest.fixture
@@ -59,7 +43,7 @@ def small(tmp_path):
         "c1": source["c"][:3], "c2": source["c"][3:], "hf": source["h"].astype(np.float32),
         "n": source["n"],
     }
-    return write_checkpoint(tmp_path, source), {k: np.ascontiguousarray(v)
+    return save_folder(tmp_path, source), {k: np.ascontiguousarray(v)
                                                  for k, v in expected.items()}
 
 
@@ -91,7 +75,7 @@ def test_mapping_as_a_file_a_list_or_an_open_checkpoint(small, tmp_path):
     folder, expected = small
     path = tmp_path / "m.aoa"
     path.write_text(MAPPING)
-    with open_source_checkpoint(folder) as checkpoint:
+    with open_source(folder) as checkpoint:
         for mapping in (path, str(path), MAPPING.splitlines()):
             into = empty_like(expected)
             aoa.load(mapping, source=checkpoint, into=into, progress=False)
@@ -159,11 +143,11 @@ def llama(tmp_path):
     """The demo's Llama-like checkpoint and its tensor-parallel-2 destination layout."""
     hf = demo.make_checkpoint(tmp_path)
     mapping = demo.data_file("llama_fused_tp2.aoa")
-    with open_source_checkpoint(tmp_path) as checkpoint:
-        outputs = derived_outputs(mapping.read_text(), source_shard_info(checkpoint), False,
-                                  None)
-    destination, ranks = read_layout(demo.data_file("llama_tp2.toml")).shards(outputs)
-    return tmp_path, hf, mapping, destination, ranks
+    with open_source(tmp_path) as checkpoint:
+        outputs = derived_outputs(MappingText(mapping.read_text()), checkpoint.shards)
+    shards = read_mesh_layout(demo.data_file("llama_tp2.toml")).shards(outputs)
+    ranks = [shards.of_rank(rank) for rank in range(len(shards.ranks))]
+    return tmp_path, hf, mapping, shards.by_key, ranks
 
 
 def test_both_tensor_parallel_shards_in_one_process(llama):
@@ -233,55 +217,47 @@ def test_torch_strided_tensor_and_grad(small):
 # -- errors --------------------------------------------------------------------------------
 
 
-def test_buffer_for_a_key_the_mapping_does_not_make(small):
-    folder, expected = small
-    into = empty_like(expected)
+def _renamed(into):
     into["wtt"] = into.pop("wt")
-    with pytest.raises(aoa.ValidationError) as error:
-        aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == "'wtt' has a buffer, but the mapping makes no tensor of that name"
-    assert error.value.hint == "Did you mean 'wt'?"
 
 
-def test_tensor_the_mapping_makes_without_a_buffer(small):
-    folder, expected = small
-    into = empty_like(expected)
+def _without_c2(into):
     del into["c2"]
-    with pytest.raises(aoa.ValidationError) as error:
-        aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == "the mapping makes 'c2', but no buffer is given for it"
 
 
-def test_wrong_shape(small):
-    folder, expected = small
-    into = empty_like(expected)
+def _transposed(into):
     into["wt"] = np.zeros((3, 5), np.float32)
-    with pytest.raises(aoa.ValidationError) as error:
-        aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == (
-        "the buffer for 'wt' has shape [3, 5], but the mapping makes [5, 3]")
 
 
-def test_wrong_global_shape_of_a_shard(small):
-    folder, expected = small
-    into: dict[str, object] = empty_like(expected)
+def _shards_of_a_wider_tensor(into):
     into["wt"] = [aoa.Shard(np.zeros((5, 2), np.float32), (5, 4), (0, 0)),
                   aoa.Shard(np.zeros((5, 2), np.float32), (5, 4), (0, 2))]
-    with pytest.raises(aoa.ValidationError) as error:
-        aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == (
-        "the buffer for 'wt' is a shard of global shape [5, 4], but the mapping makes [5, 3]")
 
 
-def test_wrong_dtype(small):
-    folder, expected = small
-    into = empty_like(expected)
+def _bfloat16(into):
     into["hf"] = np.zeros(8, ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize(("change", "message", "hint"), [
+    (_renamed, "'wtt' has a buffer, but the mapping makes no tensor of that name",
+     "Did you mean 'wt'?"),
+    (_without_c2, "the mapping makes 'c2', but no buffer is given for it", None),
+    (_transposed, "the buffer for 'wt' has shape [3, 5], but the mapping makes [5, 3]", None),
+    (_shards_of_a_wider_tensor,
+     "the buffer for 'wt' is a shard of global shape [5, 4], but the mapping makes [5, 3]",
+     None),
+    (_bfloat16, "the buffer for 'hf' is bfloat16, but the mapping makes float32",
+     "Give a float32 buffer, or cast in the mapping: `... -> hf, dtype='bfloat16'`."),
+], ids=["unknown-key", "missing-buffer", "wrong-shape", "wrong-global-shape", "wrong-dtype"])
+def test_buffers_that_disagree_with_the_mapping(small, change, message, hint):
+    folder, expected = small
+    into: dict[str, object] = empty_like(expected)
+    change(into)
     with pytest.raises(aoa.ValidationError) as error:
         aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == "the buffer for 'hf' is bfloat16, but the mapping makes float32"
-    assert error.value.hint == (
-        "Give a float32 buffer, or cast in the mapping: `... -> hf, dtype='bfloat16'`.")
+    assert error.value.message == message
+    if hint is not None:
+        assert error.value.hint == hint
 
 
 def test_shard_past_its_global_shape(small):

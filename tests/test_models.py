@@ -12,7 +12,7 @@ import pytest
 import aoa
 from aoa.cli import main
 from aoa.models import FAMILIES, Config, Mesh, ModelError, known_model_types, mapping_for
-from aoa.storage.safetensors import SafetensorsFile, TensorSpec, write_safetensors
+from aoa.storage.safetensors import SafetensorsFile, write_safetensors
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -40,7 +40,8 @@ def hf_folder(folder: Path, config: dict, *, drop: str | None = None,
             np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
 
     write_safetensors(folder / "model.safetensors",
-                      [TensorSpec(k, "float32", v.shape) for k, v in tensors.items()], None, fill)
+                      [aoa.ShardDesc.full(k, v.shape, "float32") for k, v in tensors.items()],
+                      None, fill)
     return tensors
 
 
@@ -93,7 +94,9 @@ def test_expert_and_pipeline_placement():
         "model.layers.1.self_attn.qkv_proj.weight": (32, 64),
         "model.embedding.embed_tokens.weight": (64, 32),
         "model.lm_head.weight": (64, 32)}.items()}
-    _, ranks = mapping.layout.shards(outputs)
+    shards = mapping.layout.shards(outputs)
+    listed = [s for key_shards in shards.by_key.values() for s in key_shards]
+    ranks = [[listed[i] for i in rank] for rank in shards.ranks]
     held = [{s.key for s in rank} for rank in ranks]
     # ranks: pp outermost, then ep, then tp; layers 0-1 on stage 0, layers 2-3 on stage 1;
     # experts 0-1 on ep 0, experts 2-3 on ep 1; both tp ranks hold a whole expert
@@ -267,3 +270,82 @@ def test_library_call_gives_a_compilable_mapping():
               for k, v in mapping.source_tensors.items()}
     plan = aoa.compile(mapping.forward, source)
     assert {d.key for d in plan.destinations} == set(mapping.source_tensors)
+
+
+DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 16,
+            "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+            "n_routed_experts": 4, "n_shared_experts": 1, "q_lora_rank": 8,
+            "kv_lora_rank": 4, "qk_rope_head_dim": 2, "qk_nope_head_dim": 2, "v_head_dim": 2,
+            "num_nextn_predict_layers": 1, "tie_word_embeddings": False}
+GLM = {"model_type": "glm4_moe", "vocab_size": 64, "hidden_size": 16, "head_dim": 2,
+       "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+       "num_attention_heads": 8, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+       "n_routed_experts": 4, "n_shared_experts": 1, "use_qk_norm": True,
+       "num_nextn_predict_layers": 1, "tie_word_embeddings": False}
+
+
+def round_trip(tmp_path, capsys, *steps: list[str]) -> str:
+    folder, notes = tmp_path / "hf", ""
+    for index, extra in enumerate(steps):
+        status, _, err = run("convert", "--source", str(folder), "--output",
+                             str(tmp_path / f"out{index}"), *extra, "--quiet", capsys=capsys)
+        assert status == 0, err
+        notes += err
+        folder = tmp_path / f"out{index}"
+    return notes
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK, GLM], ids=["deepseek_v3", "glm4_moe"])
+def test_multi_token_prediction_layers_round_trip(tmp_path, capsys, config):
+    tensors = hf_folder(tmp_path / "hf", config)
+    assert any(k.startswith("model.layers.2.eh_proj") for k in tensors)
+    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--ep", "2"],
+               ["--to", "hf"])
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        assert set(f.tensors) == set(tensors)
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
+    with SafetensorsFile.open(tmp_path / "out0" / "rank-00000-of-00004.safetensors") as f:
+        eh = f.array("model.layers.2.eh_proj.weight")
+        assert np.array_equal(eh, tensors["model.layers.2.eh_proj.weight"].T)
+        if config is GLM:  # the MTP layer's decoder goes under transformer_layer.
+            assert "model.layers.2.transformer_layer.self_attn.qkv_proj.weight" in f.tensors
+            assert "model.layers.2.norm.weight" in f.tensors
+
+
+def test_a_checkpoint_without_its_mtp_layers_converts_with_a_note(tmp_path, capsys):
+    full = hf_folder(tmp_path / "all", DEEPSEEK)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DEEPSEEK))
+    kept = {k: v for k, v in full.items() if not k.startswith("model.layers.2.")}
+
+    def fill(views):
+        for name, view in views.items():
+            np.frombuffer(view, np.uint8)[:] = kept[name].view(np.uint8).reshape(-1)
+
+    write_safetensors(folder / "model.safetensors",
+                      [aoa.ShardDesc.full(k, v.shape, "float32") for k, v in kept.items()],
+                      None, fill)
+    notes = round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2"],
+                       ["--to", "hf"])
+    assert "'num_nextn_predict_layers' is 1, but the checkpoint holds none of those layers" \
+        in notes
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        assert set(f.tensors) == set(kept)
+
+
+def test_a_partial_mtp_layer_is_an_error(tmp_path, capsys):
+    hf_folder(tmp_path / "hf", DEEPSEEK, drop="model.layers.2.hnorm.weight")
+    status, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", capsys=capsys)
+    assert status == 1 and "lacks 1 tensor(s)" in err and "model.layers.2.hnorm.weight" in err
+
+
+def test_demo_converts_and_comes_back(capsys):
+    from aoa import demo
+
+    assert demo.run() == 0
+    out = capsys.readouterr().out
+    assert "all bytes identical" in out and "every tensor byte-identical" in out

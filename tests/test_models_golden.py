@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import aoa
-from aoa.convert import derived_outputs
+from aoa.jobs.job import derived_outputs
 from aoa.layout import ShardDesc
+from aoa.mapping import MappingText
 from aoa.models import Config, Mesh, mapping_for
 from aoa.models.mapping import template_dtypes
 from aoa.runtime.reference import run_plan_on_arrays
@@ -46,9 +47,9 @@ def ours(case: dict):
 def test_same_names_and_layout(name):
     case, _ = load(name)
     mapping, source = ours(case)
-    outputs = derived_outputs(mapping.forward, source, False, None)
+    outputs = derived_outputs(MappingText(mapping.forward), source)
     assert sorted(outputs) == case["paddleformers_keys"]
-    by_key, _ = mapping.layout.shards(outputs)
+    by_key = mapping.layout.shards(outputs).by_key
     assert {k: [s.to_json() for s in v] for k, v in by_key.items()} == case["destination"]
 
 

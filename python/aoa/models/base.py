@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aoa.destination_layout import Placement
 from aoa.errors import AoaError
+from aoa.mesh_layout import Placement
 
 LAYER = "$LAYER_ID"
 EXPERT = "$EXPERT_ID"

@@ -1,5 +1,5 @@
 """Convert a model folder by naming its target: the family from config.json, the mapping and
-the layout from the model library, the conversion from `aoa.convert`.
+the layout from the model library, the conversion from `aoa.jobs.convert`.
 
 Three directions, told apart by the source folder and ``--to``:
 
@@ -25,18 +25,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from aoa.convert import Conversion, derived_outputs, execute, prepare
-from aoa.destination_layout import MeshLayout, layout_text
 from aoa.errors import StorageError, UsageError
+from aoa.jobs.convert import Conversion, execute, prepare
+from aoa.jobs.job import derived_outputs
 from aoa.layout import ShardDesc
+from aoa.mapping import MappingText
+from aoa.mesh_layout import MeshLayout, layout_text
 from aoa.models import TARGETS, family_of
-from aoa.models.base import Config, Expected, Mesh, ModelError
+from aoa.models.base import Config, Expected, Mesh, ModelError, template_pattern
 from aoa.models.mapping import ModelMapping, build, template_dtypes
-from aoa.storage.checkpoint import SourceCheckpoint, open_source_checkpoint
+from aoa.storage.formats import Source, open_source
 
 RECORD = "aoa-conversion.json"
 HF = "hf"
-FORMATS = ("safetensors",)
 #: Files beside the weights that a model folder needs, copied as they are.
 _SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -104,9 +105,10 @@ def check_output(output: Path) -> None:
                            hint="Convert into a new or empty folder.")
 
 
-def plan_job(source: str | Path, checkpoint: SourceCheckpoint, *, target: str,
+def plan_job(source: str | Path, checkpoint: Source, *, target: str,
              mesh: Mesh | None = None, dtype: str | None = None,
-             mapping_file: str | Path | None = None) -> Job:
+             mapping_file: str | Path | None = None, output_format: str | None = None
+             ) -> Job:
     """Decide the direction, check the source against its family, make the text and the
     layout, and prepare the conversion (nothing is written)."""
     source = Path(source)
@@ -119,7 +121,8 @@ def plan_job(source: str | Path, checkpoint: SourceCheckpoint, *, target: str,
         if target == HF:
             raise UsageError(f"{source}: not a folder aoa converted (no {RECORD}); it is "
                              "already in Hugging Face layout")
-        return _forward(cfg, family, checkpoint, target, mesh or Mesh(), dtype, mapping_file)
+        return _forward(cfg, family, checkpoint, target, mesh or Mesh(), dtype, mapping_file,
+                        output_format)
     if record["family"] != family.name:
         raise ModelError(f"{source / RECORD}: records family '{record['family']}', but "
                          f"config.json is of family '{family.name}'")
@@ -127,45 +130,42 @@ def plan_job(source: str | Path, checkpoint: SourceCheckpoint, *, target: str,
         if mesh is not None or dtype is not None or mapping_file is not None:
             raise UsageError("--to hf takes everything from the record; give no --tp, --ep, "
                              "--pp, --dtype or --mapping")
-        return _inverse(cfg, family, checkpoint, record)
+        return _inverse(cfg, family, checkpoint, record, output_format)
     if target != record["target"]:
         raise UsageError(f"{source} holds the {record['target']} layout; convert it --to hf "
                          f"first, then --to {target}")
-    return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype)
+    return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype, output_format)
 
 
 def run(source: str | Path, output: str | Path, *, target: str, mesh: Mesh | None = None,
         dtype: str | None = None, mapping_file: str | Path | None = None,
-        output_format: str = "safetensors", threads: int | None = None,
+        output_format: str | None = None, threads: int | None = None,
         progress: Callable[[int], None] | None = None, dry_run: bool = False) -> Job:
-    """Plan the job, then (unless a dry run) write the checkpoint, side files and record."""
+    """Plan the job, then (unless a dry run) write the checkpoint, side files and record.
+    ``output_format``: the files' format (default: sharded safetensors for a target, Hugging
+    Face safetensors for `hf`)."""
     output = Path(output)
     if not dry_run:
         check_output(output)
-    with open_source_checkpoint(source) as checkpoint:
+    with open_source(source) as checkpoint:
         job = plan_job(source, checkpoint, target=target, mesh=mesh, dtype=dtype,
-                       mapping_file=mapping_file)
+                       mapping_file=mapping_file, output_format=output_format)
         if not dry_run:
-            write_job(job, checkpoint, source, output, output_format=output_format,
-                      threads=threads, progress=progress)
+            write_job(job, source, output, threads=threads, progress=progress)
     return job
 
 
-def write_job(job: Job, checkpoint: SourceCheckpoint, source: str | Path,
-              output: str | Path, *, output_format: str = "safetensors",
+def write_job(job: Job, source: str | Path, output: str | Path, *,
               threads: int | None = None, progress: Callable[[int], None] | None = None
               ) -> None:
     """Write the checkpoint, then the side files and the record (last: a folder with a
     record holds everything it names)."""
-    if output_format not in FORMATS:
-        raise UsageError(f"output format '{output_format}': this version writes "
-                         f"{', '.join(FORMATS)}")
     output = Path(output)
     check_output(output)
-    execute(job.conversion, checkpoint, output, threads=threads, progress=progress)
+    execute(job.conversion, output, threads=threads, progress=progress)
     copy_side_files(Path(source), output)
     if job.direction != "inverse":  # a Hugging Face folder stays a plain one
-        job.record["format"] = output_format
+        job.record["format"] = job.conversion.format.name
         (output / RECORD).write_text(json.dumps(job.record, indent=1) + "\n")
 
 
@@ -181,9 +181,10 @@ def copy_side_files(source: Path, output: Path) -> None:
 # --- the three directions ------------------------------------------------------------------
 
 
-def _forward(cfg: Config, family, checkpoint: SourceCheckpoint, target: str, mesh: Mesh,
-             dtype: str | None, mapping_file: str | Path | None) -> Job:
-    info = _shard_info(checkpoint)
+def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
+             dtype: str | None, mapping_file: str | Path | None, output_format: str | None
+             ) -> Job:
+    info = checkpoint.shards
     absent = check_tensors(info, family.tensors(cfg.with_checkpoint(frozenset(info))), cfg,
                            family.name)
     notes = [f"{cfg.path}: '{group}' is {cfg.data.get(group)}, but the checkpoint holds none "
@@ -197,15 +198,17 @@ def _forward(cfg: Config, family, checkpoint: SourceCheckpoint, target: str, mes
     text, origin = mapping.forward, "aoa.models"
     if mapping_file is not None:
         text, origin = _read_text(mapping_file), str(mapping_file)
-    conversion = prepare(text, checkpoint, layout=mapping.layout,
-                         file=origin if mapping_file else "<aoa.models mapping>")
+    conversion = prepare(MappingText(text, False, origin if mapping_file else
+                                     "<aoa.models mapping>"),
+                         checkpoint, layout=mapping.layout, output_format=output_format)
     record = _record(mapping, text, origin, source_dtypes)
     record["absent_groups"] = sorted(absent)
     return Job("forward", mapping, text, origin, mapping.layout, conversion, record, notes)
 
 
-def _inverse(cfg: Config, family, checkpoint: SourceCheckpoint, record: dict) -> Job:
-    info = _shard_info(checkpoint)
+def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
+             output_format: str | None) -> Job:
+    info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     mapping = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"))
     _check_target(info, mapping, record, cfg)
@@ -214,7 +217,8 @@ def _inverse(cfg: Config, family, checkpoint: SourceCheckpoint, record: dict) ->
         text, reverse = mapping.inverse(record["source_dtypes"], stored), False
     else:
         text, reverse = record["mapping"], True  # an edited mapping, run backwards
-    conversion = prepare(text, checkpoint, reverse=reverse, file="<aoa.models inverse>")
+    conversion = prepare(MappingText(text, reverse, "<aoa.models inverse>"), checkpoint,
+                         output_format=output_format)
     _check_outputs(conversion, mapping.source_tensors, set(record.get("absent_groups", [])))
     out = dict(record, direction="inverse", target=HF, aoa_version=aoa_version(),
                mapping=text, mapping_origin="aoa.models inverse" if not reverse else
@@ -223,9 +227,9 @@ def _inverse(cfg: Config, family, checkpoint: SourceCheckpoint, record: dict) ->
     return Job("inverse", mapping, text, out["mapping_origin"], None, conversion, out)
 
 
-def _reshard(cfg: Config, family, checkpoint: SourceCheckpoint, record: dict, mesh: Mesh,
-             dtype: str | None) -> Job:
-    info = _shard_info(checkpoint)
+def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
+             dtype: str | None, output_format: str | None) -> Job:
+    info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     before = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"))
     _check_target(info, before, record, cfg)
@@ -234,7 +238,8 @@ def _reshard(cfg: Config, family, checkpoint: SourceCheckpoint, record: dict, me
                          "and then forward again with --mapping")
     mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"))
     text = mapping.reshard(_stored_dtypes(mapping, info))
-    conversion = prepare(text, checkpoint, layout=mapping.layout, file="<aoa.models reshard>")
+    conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
+                         layout=mapping.layout, output_format=output_format)
     out = _record(mapping, record["mapping"], record.get("mapping_origin", "aoa.models"),
                   record["source_dtypes"])
     out["absent_groups"] = record.get("absent_groups", [])
@@ -244,12 +249,6 @@ def _reshard(cfg: Config, family, checkpoint: SourceCheckpoint, record: dict, me
 
 
 # --- checks --------------------------------------------------------------------------------
-
-
-def _shard_info(checkpoint: SourceCheckpoint) -> dict[str, list[ShardDesc]]:
-    return {key: [ShardDesc(s.key, s.local_shape, s.global_shape, s.global_offset, s.dtype)
-                  for s in shards]
-            for key, shards in checkpoint.shards.items()}
 
 
 def check_tensors(info: Mapping[str, list[ShardDesc]], expected: Mapping[str, Expected],
@@ -299,7 +298,7 @@ def _check_target(info: Mapping[str, list[ShardDesc]], mapping: ModelMapping, re
         _template_of(key, record["source_dtypes"]), "float32"))]
               for key, spec in mapping.source_tensors.items()
               if spec.group not in set(record.get("absent_groups", []))}
-    outputs = derived_outputs(record["mapping"], source, False, None)
+    outputs = derived_outputs(MappingText(record["mapping"]), source)
     missing = sorted(set(outputs) - set(info))
     extra = sorted(set(info) - set(outputs))
     if missing or extra:
@@ -308,8 +307,7 @@ def _check_target(info: Mapping[str, list[ShardDesc]], mapping: ModelMapping, re
                                                    else "")
         raise ModelError(f"the folder does not hold the {record['target']} tensors its "
                          f"record and {cfg.path} give: it {what}")
-    expected, _ = mapping.layout.shards(outputs)
-    for key, shards in expected.items():
+    for key, shards in mapping.layout.shards(outputs).by_key.items():
         want = {(s.global_offset, s.local_shape) for s in shards}
         have = {(s.global_offset, s.local_shape) for s in info[key]}
         if want != have or info[key][0].global_shape != shards[0].global_shape:
@@ -321,8 +319,6 @@ def _check_target(info: Mapping[str, list[ShardDesc]], mapping: ModelMapping, re
 
 
 def _template_of(key: str, templates: Mapping[str, str]) -> str:
-    from aoa.models.base import template_pattern
-
     for template in templates:
         if template == key or template_pattern(template).match(key):
             return template

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from aoa.destination_layout import MeshLayout, Rule
+from aoa.mesh_layout import MeshLayout, Rule
 from aoa.models.base import (
     Config,
     Expected,

@@ -11,10 +11,13 @@ import functools
 from math import lcm
 
 from aoa.errors import MacroError
-from aoa.ir import Attribute, Name, Program, Statement
+from aoa.ir import NOTHING, Attribute, Name, Program, Statement
+from aoa.limits import MAX_MACRO_NAMES
 from aoa.passes.context import CompileContext
-from aoa.passes.resolve_chains import Chains
+from aoa.passes.resolve_chains import ChainedProgram, Chains
+from aoa.source import Span
 
+NAME = "expand_fused"
 TRANSPOSE_SUFFIX = "_transpose_tmp"
 FFN_PREFIX = "fused_ffn_tmp."
 QKV_OLD_PREFIX = "fused_qkv_old_tmp."
@@ -35,12 +38,17 @@ def _ffn_layout(shards: int, pieces: int) -> tuple[str, ...]:
 
 
 class _Fuser:
-    def __init__(self, ctx: CompileContext) -> None:
+    def __init__(self, ctx: CompileContext, chains: Chains) -> None:
         self.ctx = ctx
-        self.chains: Chains = ctx.facts["chains"]
-        self._name_cache: dict = {}
+        self.chains = chains
+        #: the Names and axis attributes made so far, per span (a span is a value: its
+        #: file, line and columns), so that statements made alike share them
+        self._names_by_span: dict[Span | None, dict[str, Name]] = {}
+        self._axes: dict[tuple[int, Span | None], Attribute] = {}
+        self.index = 0  # the position in the program of the statement being expanded
 
-    def expand(self, statement: Statement) -> list[Statement]:
+    def expand(self, index: int, statement: Statement) -> list[Statement]:
+        self.index = index
         for name in statement.right:
             if name.transposed:
                 raise MacroError(
@@ -55,6 +63,11 @@ class _Fuser:
             raise MacroError(f"one statement cannot use both {flags[0].key} and "
                              f"{flags[1].key}", flags[1].span)
         flag = flags[0]
+        for name in (*statement.left, *statement.right):
+            if name.base == NOTHING:
+                raise MacroError(f"{flag.key} cannot take '{NOTHING}' (nothing) as a tensor",
+                                 name.span, hint=f"Drop a fused tensor with a statement of "
+                                                 f"its own: `fused -> {NOTHING}`.")
         for attribute in renamed.attributes:
             if attribute.key not in _ALLOWED[flag.key]:
                 raise MacroError(
@@ -106,7 +119,7 @@ class _Fuser:
 
     def _count(self, written: Statement, name: Name) -> int:
         left = any(n is name for n in written.left)
-        return self.chains.shard_count(written, name.base, left=left)
+        return self.chains.shard_count(self.index, name.base, left=left)
 
     def _make(self, parent: Statement, macro: str, left, right, axis: int, span) -> Statement:
         """A split or concat of pieces; with one piece on each side, a plain rename (not
@@ -117,23 +130,25 @@ class _Fuser:
 
     def _names(self, names, span) -> tuple[Name, ...]:
         """Names for generated pieces, shared across statements (they repeat per layer)."""
+        made = self._names_by_span.get(span)
+        if made is None:
+            made = self._names_by_span[span] = {}
         result = []
-        cache = self._name_cache
-        where = id(span)  # spans live as long as the program: their ids are stable keys
         for name in names:
             if isinstance(name, Name):
                 result.append(name)
                 continue
-            made = cache.get((name, where))
-            if made is None:
-                made = cache[(name, where)] = Name(name, span)
-            result.append(made)
+            named = made.get(name)
+            if named is None:
+                named = made[name] = Name(name, span)
+            result.append(named)
         return tuple(result)
 
     def _axis(self, axis: int, span) -> Attribute:
-        made = self._name_cache.get((axis, id(span)))
+        key = (axis, span)
+        made = self._axes.get(key)
         if made is None:
-            made = self._name_cache[(axis, id(span))] = Attribute("axis", axis, span)
+            made = self._axes[key] = Attribute("axis", axis, span)
         return made
 
     def _heads(self, statement: Statement, flag: Attribute) -> tuple[int, int]:
@@ -143,6 +158,10 @@ class _Fuser:
             if value <= 0:
                 raise MacroError(f"{key} must be positive (got {value})",
                                  self._span_of_attribute(statement, key))
+            if value > MAX_MACRO_NAMES:
+                raise MacroError(f"{key}={value} is more than {MAX_MACRO_NAMES}",
+                                 self._span_of_attribute(statement, key),
+                                 hint=f"{flag.key} makes one piece per head.")
         if heads % groups:
             raise MacroError(f"num_heads ({heads}) must be divisible by num_key_value_groups "
                              f"({groups})", self._span_of_attribute(statement, "num_heads"),
@@ -160,6 +179,13 @@ class _Fuser:
             src_shards = self._count(written, written.left[0])
             dst_shards = self._count(written, written.right[0]) if len(s.right) == 1 else 1
             pieces = lcm(src_shards, dst_shards)
+            if pieces > MAX_MACRO_NAMES:
+                raise MacroError(
+                    f"the {src_shards} source and {dst_shards} destination shards of "
+                    f"'{source.text}' would cut it into {pieces} pieces, more than "
+                    f"{MAX_MACRO_NAMES}", span,
+                    hint="fused_ffn cuts the tensor into the least common multiple of the "
+                         "two shard counts.")
             out = [self._make(s, "fused_ffn", [source], layout(src_shards, pieces), axis, span)]
             if len(s.right) == 1:
                 out.append(self._make(s, "fused_ffn", layout(dst_shards, pieces), [s.right[0]],
@@ -250,7 +276,8 @@ class _Fuser:
                 self._make(s, "fused_qkv", grouped, [s.right[0]], axis, span)]
 
 
-def run(program: Program, ctx: CompileContext) -> Program:
-    fuser = _Fuser(ctx)
-    return Program(tuple(out for statement in program.statements
-                         for out in fuser.expand(statement)))
+def run(chained: ChainedProgram, ctx: CompileContext) -> Program:
+    program = chained.program
+    fuser = _Fuser(ctx, chained.chains)
+    return Program(tuple(out for index, statement in enumerate(program.statements)
+                         for out in fuser.expand(index, statement)), program.shared)

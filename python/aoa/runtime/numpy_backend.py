@@ -9,6 +9,10 @@ float8_e4m3fn, which has no infinity (from 464 up, halfway past its largest valu
 and infinity in float8_e5m2 (from 61440, halfway past 57344). A float64 rounds once,
 straight to bfloat16 or fp8, not through float32, as ml_dtypes does; an int64 rounds once
 too. Casts to integers (from floats, or to another size) are refused.
+
+A bool is numpy's: any nonzero byte is true, and casts to 1 in every format. (ml_dtypes'
+bool -> bfloat16 and fp8 take the byte's value instead, 2 for a byte 2; so a bool is made
+0 or 1 before any cast. A bool copied as bool keeps its bytes, as numpy's copy does.)
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from math import prod
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from aoa.dtypes import FLOATING, is_known, itemsize, numpy_dtype
+from aoa.dtypes import FLOATING, itemsize, numpy_dtype
 from aoa.errors import ExecutionError
-from aoa.runtime.copies import Copy
+from aoa.runtime.copies import Copy, check_fields
 
 INTEGERS = frozenset({"int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"})
 _INT64_MAX = 2**63 - 1
@@ -48,6 +52,8 @@ def execute_copies(
                 continue
             values = _view(source_bytes[copy.source], copy.source_offset, copy.source_strides,
                            copy.shape, copy.source_dtype)
+            if copy.source_dtype == "bool" and copy.destination_dtype != "bool":
+                values = values.view(np.uint8) != 0
             for dtype in (*copy.via, copy.destination_dtype):
                 values = values.astype(numpy_dtype(dtype))
             target = _view(destination_bytes[copy.destination], copy.destination_offset,
@@ -128,21 +134,6 @@ def check_copy(
             raise refuse(
                 f"{role} region (offset {offset}, shape {shape}, strides {tuple(strides)}) "
                 f"does not fit in {role} {number} of {size} bytes"
-            )
-
-
-def check_fields(index: int, copy: Copy) -> None:
-    """Raise ExecutionError unless the dtypes are known and there is one stride per axis."""
-    for dtype in (copy.source_dtype, *copy.via, copy.destination_dtype):
-        if not is_known(dtype):
-            raise ExecutionError(f"copy {index}: unknown dtype {dtype!r}")
-    for role, strides in (
-        ("source", copy.source_strides), ("destination", copy.destination_strides)
-    ):
-        if len(strides) != len(copy.shape):
-            raise ExecutionError(
-                f"copy {index}: shape {tuple(copy.shape)} and {role} strides {tuple(strides)} "
-                "differ in length"
             )
 
 

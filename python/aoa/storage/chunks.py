@@ -1,0 +1,70 @@
+"""The stored chunks of one key, as a sharded format finds them, turned into its shards.
+
+Checked the same way for every format that splits a tensor over files: one dtype and rank,
+replicas (every rank of a data- or tensor-parallel group saving a replicated tensor) kept
+once, and the distinct chunks tiling the global shape exactly (no element twice, none
+missing), with the box arithmetic of `aoa.layout`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from aoa.errors import StorageError
+from aoa.layout import ShardDesc, distinct_boxes, elements, overlapping_pair
+
+
+class Chunk(NamedTuple):
+    """One stored chunk of a key: its box, dtype, the file holding it (for messages) and
+    where the format finds its bytes."""
+
+    local_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    dtype: str
+    file: Path
+    location: object
+
+
+def key_shards(key: str, chunks: Sequence[Chunk],
+               global_shape: tuple[int, ...] | None = None) -> list[tuple[ShardDesc, object]]:
+    """The distinct shards of ``key`` with their locations, sorted by global offset.
+
+    ``global_shape``: as the format records it; None: where the furthest chunk ends."""
+    first = chunks[0]
+    for chunk in chunks:
+        if chunk.dtype != first.dtype or len(chunk.local_shape) != len(first.local_shape):
+            raise StorageError(
+                f"tensor '{key}' is {chunk.dtype} {list(chunk.local_shape)} in {chunk.file} but "
+                f"{first.dtype} {list(first.local_shape)} in {first.file}"
+            )
+    if global_shape is None:
+        ends = [tuple(start + size for start, size in zip(c.global_offset, c.local_shape,
+                                                         strict=True)) for c in chunks]
+        global_shape = tuple(map(max, zip(*ends, strict=True)))
+    ordered = sorted(chunks, key=lambda chunk: chunk.global_offset)
+    distinct = [ordered[i] for i in distinct_boxes(ordered)]
+    check_tiling(key, global_shape, distinct)
+    return [(ShardDesc(key, c.local_shape, global_shape, c.global_offset, c.dtype), c.location)
+            for c in distinct]
+
+
+def check_tiling(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> None:
+    """No two chunks share an element, and together they cover the global shape."""
+    solid = [chunk for chunk in chunks if math.prod(chunk.local_shape)]  # others hold nothing
+    pair = overlapping_pair(solid)
+    if pair is not None:
+        first, second = (solid[n] for n in pair)
+        raise StorageError(
+            f"tensor '{key}': chunk at {list(first.global_offset)} in {first.file} "
+            f"overlaps chunk at {list(second.global_offset)} in {second.file}"
+        )
+    covered = elements(solid)
+    if covered != math.prod(shape):
+        raise StorageError(
+            f"tensor '{key}': its chunks cover {covered} of the {math.prod(shape)} elements of "
+            f"its global shape {list(shape)}; files: "
+            + ", ".join(sorted({str(chunk.file) for chunk in chunks}))
+        )
