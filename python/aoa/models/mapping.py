@@ -9,11 +9,14 @@ original dtype (exact where the forward cast widened; a narrowed tensor comes ba
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from aoa.mesh_layout import MeshLayout, Rule
 from aoa.models.base import (
+    EXPERT,
+    LAYER,
     Config,
     Expected,
     Family,
@@ -70,11 +73,16 @@ def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | 
 
 
 def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
-    """The family's splits as mesh rules; dimensions of size 1 are left out."""
+    """The family's splits as mesh rules; dimensions of size 1, and rules for keys the
+    mapping does not write, are left out."""
     dimensions = {name: size for name, size in mesh.dimensions().items()
                   if size > 1 or name == "tp"}
+    written = [write.replace(LAYER, "0").replace(EXPERT, "0")
+               for step in mapping.steps for write in step.writes]
     rules = []
     for split in mapping.splits:
+        if not any(fnmatch.fnmatchcase(key, split.match) for key in written):
+            continue
         axes: dict[str, int] = {}
         places = {}
         if split.tp is not None and mesh.tp > 1:
