@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from aoa import demo
-from aoa.convert import execute, prepare
-from aoa.destination_layout import read_layout
-from aoa.storage.checkpoint import open_source_checkpoint
-from aoa.storage.safetensors import SafetensorsFile, TensorSpec, write_safetensors
+from aoa.jobs.convert import execute, prepare
+from aoa.layout import ShardDesc
+from aoa.mesh_layout import read_mesh_layout
+from aoa.storage import open_source
+from aoa.storage.safetensors import SafetensorsFile, write_safetensors
 
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB, TP = 2048, 16, 4, 5504, 8192, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -61,7 +62,7 @@ def make_source(folder: Path, layers: int) -> None:
             out[:] = rng.standard_normal(out.size, dtype=np.float32)
 
     write_safetensors(folder / "model.safetensors",
-                      [TensorSpec(k, "float32", s) for k, s in shapes.items()], None, fill)
+                      [ShardDesc.full(k, s, "float32") for k, s in shapes.items()], None, fill)
 
 
 def numpy_script(source: Path, output: Path, layers: int) -> int:
@@ -105,7 +106,7 @@ def numpy_script(source: Path, output: Path, layers: int) -> int:
                               tensors[name])
 
             write_safetensors(output / f"rank-{rank}.safetensors",
-                              [TensorSpec(k, "float32", v.shape) for k, v in tensors.items()],
+                              [ShardDesc.full(k, v.shape, "float32") for k, v in tensors.items()],
                               None, fill)
             total += sum(v.nbytes for v in tensors.values())
     return total
@@ -134,17 +135,17 @@ def main() -> None:
         source.mkdir(parents=True, exist_ok=True)
         make_source(source, args.layers)
     (work / "map.aoa").write_text(mapping_text())
-    layout = read_layout(demo.data_file("llama_tp2.toml"))
+    layout = read_mesh_layout(demo.data_file("llama_tp2.toml"))
     times: dict[str, list[float]] = {"aoa": [], "numpy": [], "memcpy fresh": [],
                                      "memcpy touched": []}
     nbytes = 0
     for repeat in range(args.repeats):
         for name in ("out-aoa", "out-numpy"):
             shutil.rmtree(work / name, ignore_errors=True)
-        with open_source_checkpoint(source) as checkpoint:
+        with open_source(source) as checkpoint:
             conversion = prepare(mapping_text(), checkpoint, layout=layout)
             start = time.perf_counter()
-            execute(conversion, checkpoint, work / "out-aoa", threads=args.threads)
+            execute(conversion, work / "out-aoa", threads=args.threads)
             times["aoa"].append(time.perf_counter() - start)
             nbytes = conversion.nbytes
         start = time.perf_counter()

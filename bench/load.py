@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 import aoa
-from aoa.storage.safetensors import TensorSpec, write_safetensors
+from aoa.layout import ShardDesc
+from aoa.storage.safetensors import write_safetensors
 
 
 class Model:
@@ -119,7 +120,7 @@ def write_checkpoint(model: Model, folder: Path) -> Path:
             rng.standard_normal(out=np.frombuffer(view, np.float32), dtype=np.float32)
 
     write_safetensors(folder / "model.safetensors",
-                      [TensorSpec(k, "float32", s) for k, s in shapes.items()], None, fill)
+                      [ShardDesc.full(k, s, "float32") for k, s in shapes.items()], None, fill)
     return folder / "model.safetensors"
 
 

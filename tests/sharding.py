@@ -1,4 +1,5 @@
-"""Shard layouts for tests: a tensor split into equal shards along one axis."""
+"""Shard layouts for tests: a tensor split into equal shards along one axis, buffers for
+shards, and a global tensor put together from a source's shards."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 
 import aoa
 from aoa.dtypes import numpy_dtype
+from aoa.storage import Source
 
 
 def sharded(key, shape, count, axis, dtype="float32") -> list[aoa.ShardDesc]:
@@ -28,3 +30,14 @@ def shard_buffers(shards) -> dict[str, list[aoa.Shard]]:
         buffer = np.full(s.local_shape, 7, numpy_dtype(s.dtype))
         into.setdefault(s.key, []).append(aoa.Shard(buffer, s.global_shape, s.global_offset))
     return into
+
+
+def assemble(source: Source, key: str) -> np.ndarray:
+    """The global tensor ``key``, put together from the source's shards' buffers."""
+    shards = source.shards[key]
+    whole = np.zeros(shards[0].global_shape, numpy_dtype(shards[0].dtype))
+    for shard in shards:
+        local = np.frombuffer(source.buffer(shard), whole.dtype).reshape(shard.local_shape)
+        whole[tuple(slice(o, o + n) for o, n in zip(shard.global_offset, shard.local_shape))] \
+            = local
+    return whole

@@ -74,6 +74,52 @@ def test_explain_shows_origins_and_pieces(files, capsys):
     assert "    [0:4, 0:2] <- w[0:2, 0:4]  (permute [1, 0])" in out
 
 
+def test_explain_prints_after_the_passes_asked_for(files, capsys):
+    assert run(files, "explain", "ok.aoa", "--destination", str(files / "dst.json"),
+               "--print-after", "expand_fused", "--print-after", "plan") == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "# after expand_fused",
+        f"w -> w_transpose_tmp, permute='[]'  [{files / 'ok.aoa'}:2:1 via transpose]",
+        f"w_transpose_tmp -> v  [{files / 'ok.aoa'}:2:1 via transpose]",
+        "# after plan",
+        "plan: 2 source shards -> 1 destination shards, 2 copies, 64 bytes",
+        "v[0:4, 0:4] of [4, 4]  float32",
+        "    [0:4, 0:2] <- w[0:2, 0:4]  (permute [1, 0])",
+        "    [0:4, 2:4] <- w[2:4, 0:4]  (permute [1, 0])",
+        "# notes",
+        "note: 1 source keys are used by nothing: 'unused'",
+    ]
+
+
+def test_explain_stops_after_the_last_pass_asked_for(files, capsys):
+    """Passes after it do not run: a program that planning refuses still prints."""
+    (files / "wrong.json").write_text(json.dumps({"v": [{
+        "key": "v", "local_shape": [4, 4], "global_shape": [4, 4], "global_offset": [0, 0],
+        "dtype": "bfloat16"}]}))
+    assert run(files, "explain", "ok.aoa", "--destination", str(files / "wrong.json"),
+               "--print-after", "propagate_shapes") == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "# after propagate_shapes", "v: shape [4, 4], source dtype float32",
+        "    [0:4, 0:4] <- w[0:4, 0:4]  ([1, 0])"]
+    assert run(files, "explain", "ok.aoa", "--destination", str(files / "wrong.json"),
+               "--print-after", "propagate_shapes", "--time-passes") == 1
+    captured = capsys.readouterr()
+    assert "destination 'v' [0:4, 0:4] is bfloat16, but 'w' is float32" in captured.err
+
+
+def test_explain_times_every_pass(files, capsys):
+    assert run(files, "explain", "ok.aoa", "--time-passes") == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    rows = [line.split() for line in captured.err.splitlines()]
+    assert rows[0] == ["pass", "seconds", "share"]
+    assert [row[0] for row in rows[1:]] == [
+        "parse", "expand_macros", "share_instances", "resolve_chains", "expand_fused",
+        "propagate_shapes", "plan", "total"]
+    assert abs(sum(float(row[1]) for row in rows[1:-1]) - float(rows[-1][1])) < 1e-3
+
+
 def test_mapping_as_paddle_config_json(files, capsys):
     (files / "config.json").write_text(json.dumps(
         {"aoa_statements": ["w^T -> v"], "aoa_config_reverse": False}))

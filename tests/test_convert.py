@@ -9,7 +9,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
+from safetensors_files import read_back, save
 
 from aoa.cli import main
 
@@ -54,42 +55,6 @@ def expected_rank(hf, rank):
         half = slice(rank * 4, rank * 4 + 4)
         out[f"b.{layer}.up_gate"] = np.concatenate([gate[:, half], up[:, half]], axis=1)
         out[f"b.{layer}.norm"] = hf[f"a.{layer}.norm"].astype(np.float32)
-    return out
-
-
-def save(path: Path, arrays, metadata=None):
-    """safetensors' own writer; bfloat16 goes in as its bit pattern under a BF16 header."""
-    plain = {k: v for k, v in arrays.items() if v.dtype != ml_dtypes.bfloat16}
-    save_file(plain, str(path), metadata=metadata)
-    brain = {k: v for k, v in arrays.items() if v.dtype == ml_dtypes.bfloat16}
-    if brain:
-        _rewrite_with_bf16(path, arrays, metadata)
-
-
-def _rewrite_with_bf16(path, arrays, metadata):
-    header, data, offset = {}, [], 0
-    codes = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16"}
-    for name, array in arrays.items():
-        raw = np.ascontiguousarray(array).view(np.uint8).tobytes()
-        header[name] = {"dtype": codes[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        data.append(raw)
-        offset += len(raw)
-    if metadata:
-        header["__metadata__"] = metadata
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(data))
-
-
-def read_back(path: Path):
-    """Tensors of a safetensors file through the `safetensors` package (bf16 as raw bits)."""
-    from safetensors import deserialize
-
-    out = {}
-    for name, info in deserialize(path.read_bytes()):
-        dtype = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[info["dtype"]]
-        out[name] = np.frombuffer(bytes(info["data"]), dtype=dtype).reshape(info["shape"])
     return out
 
 
@@ -295,3 +260,37 @@ def test_optimizer_states_follow_their_parameter(workspace):
         assert got["b.1.up_gate.beta1_pow_acc_0"].tobytes() == hf["a.1.gate.beta1_pow_acc_0"] \
             .tobytes()
         assert "b.0.norm.moment1_0" not in got  # the norm has no moments in the source
+
+
+def test_output_format_by_name(workspace):
+    """Whole tensors written as one rank of dcp-safetensors, read back as a checkpoint."""
+    hf = tensors()
+    hf_single(workspace / "src", hf)
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--source-format", "safetensors", "--output", str(workspace / "out"),
+                 "--output-format", "dcp-safetensors", "--quiet"]) == 0
+    path = workspace / "out" / "rank-00000-of-00001.safetensors"
+    got, want = read_back(path), expected_full(hf)
+    assert {key: value.tobytes() for key, value in got.items()} == {
+        key: value.tobytes() for key, value in want.items()}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+    assert info["b.0.up_gate"]["saved_offsets"] == [0, 0]
+
+
+@pytest.mark.parametrize(("option", "name", "message"), [
+    ("--source-format", "npz", "aoa: error: unknown source format 'npz'"),
+    ("--output-format", "npz", "aoa: error: unknown output format 'npz'"),
+    ("--output-format", "bin", "aoa: error: output format 'bin' cannot be written"),
+    ("--output-format", "safetensors", "aoa: error: the safetensors format (Hugging Face) "
+                                       "holds whole tensors, not one file per rank"),
+])
+def test_format_names_refused(workspace, capsys, option, name, message):
+    hf_single(workspace / "src", tensors())
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--layout", str(workspace / "tp2.toml"),
+                 option, name, "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith(message)
+    assert not (workspace / "out").exists()

@@ -15,6 +15,7 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors_files import save_folder
 
 import aoa
 from aoa.dtypes import itemsize, numpy_dtype
@@ -211,19 +212,10 @@ class FakeCudaArray:
 def test_load_sends_device_buffers_through_staging(tmp_path, monkeypatch):
     """aoa.load with host and 'device' buffers together: the device ones go through the
     staging pipeline (here over the stand-in), the host ones straight into place."""
-    from aoa.storage.safetensors import TensorSpec, write_safetensors
-
     rng = np.random.default_rng(5)
     tensors = {"w": rng.standard_normal((6, 4), dtype=np.float32),
                "h": rng.standard_normal((5, 3), dtype=np.float32).astype(ml_dtypes.bfloat16)}
-
-    def fill(views):
-        for name, view in views.items():
-            np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
-
-    write_safetensors(tmp_path / "model.safetensors",
-                      [TensorSpec("w", "float32", (6, 4)), TensorSpec("h", "bfloat16", (5, 3))],
-                      None, fill)
+    save_folder(tmp_path, tensors)
     transfer = HostTransfer()
     monkeypatch.setattr(buffers, "_device_of", lambda pointer: 0)
     monkeypatch.setattr(cuda, "CupyTransfer", lambda: transfer)

@@ -22,10 +22,11 @@ from sharding import shard_buffers
 import aoa
 from aoa import demo
 from aoa.cli import main as cli_main
-from aoa.convert import derived_outputs, source_shard_info
-from aoa.destination_layout import read_layout
-from aoa.distributed import split_files
-from aoa.storage.checkpoint import open_source_checkpoint
+from aoa.jobs.distributed import split_files
+from aoa.jobs.job import derived_outputs
+from aoa.mapping import as_mapping
+from aoa.mesh_layout import read_mesh_layout
+from aoa.storage import OutputFile, open_source
 
 TIMEOUT = 120
 LAYOUT = demo.data_file("llama_tp2.toml")
@@ -33,9 +34,10 @@ MAPPING = demo.data_file("llama_fused_tp2.aoa")
 
 
 def layout_ranks(source: Path, mapping: list[str] | str):
-    with open_source_checkpoint(source) as checkpoint:
-        outputs = derived_outputs(mapping, source_shard_info(checkpoint), False, None)
-    return read_layout(LAYOUT).shards(outputs)[1]
+    with open_source(source) as checkpoint:
+        outputs = derived_outputs(as_mapping(mapping), checkpoint.shards)
+    shards = read_mesh_layout(LAYOUT).shards(outputs)
+    return [shards.of_rank(rank) for rank in range(len(shards.ranks))]
 
 
 def _statements(mapping: str) -> list[str] | str:
@@ -132,9 +134,7 @@ def checkpoints(tmp_path_factory):
 
 
 def test_split_files_balances_bytes():
-    from aoa.convert import OutputFile
-
-    files = [OutputFile(f"f{i}", [i], size) for i, size in enumerate([5, 1, 4, 2, 3])]
+    files = [OutputFile(f"f{i}", (i,), size) for i, size in enumerate([5, 1, 4, 2, 3])]
     shares = split_files(files, 2)
     assert [[f.filename for f in share] for share in shares] == [["f0", "f1", "f3"],
                                                                  ["f2", "f4"]]
@@ -187,7 +187,7 @@ def test_each_rank_reads_only_the_source_shards_it_needs(checkpoints, tmp_path):
     command = [sys.executable, __file__, "load", str(tp2), "-", str(tmp_path)]
     run_ranks([command, command], torchrun=True)
     ranks = layout_ranks(tp2, [])
-    with open_source_checkpoint(tp2) as checkpoint:
+    with open_source(tp2) as checkpoint:
         stored = {key: [(s.global_offset, s.local_shape) for s in shards]
                   for key, shards in checkpoint.shards.items()}
     for rank in range(2):
@@ -198,7 +198,7 @@ def test_each_rank_reads_only_the_source_shards_it_needs(checkpoints, tmp_path):
         assert read == needed
         assert ("embed_tokens.weight", (512 * (1 - rank), 0)) not in read
         with np.load(tmp_path / f"rank{rank}.npz") as got:
-            written = open_source_checkpoint(tp2)
+            written = open_source(tp2)
             try:
                 for s in ranks[rank]:
                     chunk = next(c for c in written.shards[s.key]

@@ -1,56 +1,36 @@
-"""Golden files: the printed IR after each pass, and the exact text of error messages."""
+"""Golden fixtures, one file per pass: what the pipeline leaves after that pass, printed, or
+the exact text of the error it raises (golden_support.py says how a file reads)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from golden_support import compare, load
+from golden_support import Case, compare, read_cases
 
 from aoa.errors import AoaError
-from aoa.pipeline import analyze
+from aoa.passes import PIPELINE, through
+from aoa.passes.parse import texts
+from aoa.pipeline import new_context, run_passes
+from aoa.printer import to_text
 
-GOLDEN = Path(__file__).parent / "golden"
-PASS_CASES = sorted((GOLDEN / "passes").glob("*.aoa"))
-ERROR_CASES = sorted((GOLDEN / "errors").glob("*.aoa"))
-
-
-def printed_passes(path: Path) -> str:
-    text, source, destination, reverse = load(path)
-    out: list[str] = []
-
-    def after(name, program, ctx):
-        if name in ("expand_macros", "expand_fused"):
-            out.append(f"== {name}")
-            out.extend(str(s) for s in program.statements)
-
-    compilation = analyze(text, source, destination, reverse=reverse, file=path.name,
-                          after_pass=after)
-    out.append("== outputs")
-    for key, tensor in compilation.ctx.facts["symbolic"].outputs.items():
-        if tensor is None:
-            out.append(f"{key}: empty")
-            continue
-        out.append(f"{key}: {list(tensor.shape)} {tensor.dtype}")
-        for source_key, piece in tensor.pieces():
-            target = ", ".join(f"{a}:{b}" for a, b in zip(piece.target_lo, piece.target_hi))
-            region = ", ".join(f"{a}:{b}" for a, b in zip(piece.source_lo, piece.source_hi))
-            ops = " ".join(getattr(op, "text", op) for op in piece.ops)
-            out.append(f"    [{target}] <- {source_key}[{region}] {ops}".rstrip())
-    out.append("== notes")
-    compilation.plan()
-    out.extend(note.render() for note in compilation.ctx.notes)
-    return "\n".join(out) + "\n"
+FIXTURES = Path(__file__).parent / "golden" / "passes"
+PASSES = {p.NAME: p for p in PIPELINE}
+CASES = [(path, case) for path in sorted(FIXTURES.glob("*.txt")) for case in read_cases(path)]
 
 
-@pytest.mark.parametrize("path", PASS_CASES, ids=lambda p: p.stem)
-def test_pass_output(path):
-    compare(path, printed_passes(path))
+def test_every_pass_has_a_fixture_file():
+    assert sorted(path.stem for path in FIXTURES.glob("*.txt")) == sorted(PASSES)
 
 
-@pytest.mark.parametrize("path", ERROR_CASES, ids=lambda p: p.stem)
-def test_error_message(path):
-    text, source, destination, reverse = load(path)
-    with pytest.raises(AoaError) as raised:
-        analyze(text, source, destination, reverse=reverse, file=path.name).plan()
-    compare(path, f"{type(raised.value).__name__}\n{raised.value.render()}\n")
+@pytest.mark.parametrize("path, case", CASES, ids=[f"{p.stem}:{c.name}" for p, c in CASES])
+def test_after_pass(path: Path, case: Case):
+    source, destination, reverse = case.config()
+    try:
+        ctx = new_context(source, destination, reverse)
+        ir = run_passes(texts(case.mapping, file=case.file), ctx,
+                        through(PASSES[path.stem]))
+        printed = to_text(ir)
+    except AoaError as error:
+        printed = f"{type(error).__name__}\n{error.render()}"
+    compare(path, case, printed)

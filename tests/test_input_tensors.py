@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from sharding import sharded
 
-from aoa.passes.context import CompileContext
-from aoa.passes.propagate_shapes import InputTensors
+from aoa.symbolic import InputTensors
 
 SOURCE = {
     "a": sharded("a", (2, 3), 1, 0, "float16"),
@@ -20,7 +19,7 @@ SOURCE = {
 
 
 def inputs() -> InputTensors:
-    return InputTensors(CompileContext(SOURCE, None))
+    return InputTensors(SOURCE)
 
 
 def test_each_input_has_the_shape_and_dtype_of_the_eager_pass():

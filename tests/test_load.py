@@ -4,19 +4,19 @@ buffers, checked byte for byte against numpy computing the same layout directly.
 from __future__ import annotations
 
 import array
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors_files import save_folder
 from sharding import shard_buffers
 
 import aoa
 from aoa import demo
-from aoa.convert import derived_outputs, source_shard_info
-from aoa.destination_layout import read_layout
-from aoa.storage.checkpoint import open_source_checkpoint
-from aoa.storage.safetensors import TensorSpec, write_safetensors
+from aoa.jobs.job import derived_outputs
+from aoa.mapping import MappingText
+from aoa.mesh_layout import read_mesh_layout
+from aoa.storage import open_source
 
 MAPPING = """\
 w^T -> wt
@@ -24,22 +24,6 @@ a, b -> ab, axis=1
 c -> c1, c2, axis=0
 h -> hf, dtype='float32'
 """
-
-
-def write_checkpoint(folder: Path, tensors: dict[str, np.ndarray]) -> Path:
-    def fill(views):
-        for name, view in views.items():
-            np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
-
-    specs = [TensorSpec(k, _name(v.dtype), v.shape) for k, v in tensors.items()]
-    write_safetensors(folder / "model.safetensors", specs, None, fill)
-    return folder
-
-
-def _name(dtype: np.dtype) -> str:
-    from aoa.dtypes import NUMPY_DTYPES
-
-    return next(name for name, d in NUMPY_DTYPES.items() if d == dtype)
 
 
 @pytest.fixture
@@ -59,7 +43,7 @@ def small(tmp_path):
         "c1": source["c"][:3], "c2": source["c"][3:], "hf": source["h"].astype(np.float32),
         "n": source["n"],
     }
-    return write_checkpoint(tmp_path, source), {k: np.ascontiguousarray(v)
+    return save_folder(tmp_path, source), {k: np.ascontiguousarray(v)
                                                  for k, v in expected.items()}
 
 
@@ -91,7 +75,7 @@ def test_mapping_as_a_file_a_list_or_an_open_checkpoint(small, tmp_path):
     folder, expected = small
     path = tmp_path / "m.aoa"
     path.write_text(MAPPING)
-    with open_source_checkpoint(folder) as checkpoint:
+    with open_source(folder) as checkpoint:
         for mapping in (path, str(path), MAPPING.splitlines()):
             into = empty_like(expected)
             aoa.load(mapping, source=checkpoint, into=into, progress=False)
@@ -159,11 +143,11 @@ def llama(tmp_path):
     """The demo's Llama-like checkpoint and its tensor-parallel-2 destination layout."""
     hf = demo.make_checkpoint(tmp_path)
     mapping = demo.data_file("llama_fused_tp2.aoa")
-    with open_source_checkpoint(tmp_path) as checkpoint:
-        outputs = derived_outputs(mapping.read_text(), source_shard_info(checkpoint), False,
-                                  None)
-    destination, ranks = read_layout(demo.data_file("llama_tp2.toml")).shards(outputs)
-    return tmp_path, hf, mapping, destination, ranks
+    with open_source(tmp_path) as checkpoint:
+        outputs = derived_outputs(MappingText(mapping.read_text()), checkpoint.shards)
+    shards = read_mesh_layout(demo.data_file("llama_tp2.toml")).shards(outputs)
+    ranks = [shards.of_rank(rank) for rank in range(len(shards.ranks))]
+    return tmp_path, hf, mapping, shards.by_key, ranks
 
 
 def test_both_tensor_parallel_shards_in_one_process(llama):

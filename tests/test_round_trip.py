@@ -45,7 +45,7 @@ def test_reverse_undoes_forward(name, tp):
     rng = np.random.default_rng(tp)
     tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in SOURCES[name].items()}
     source = {k: sharded(k, s, 1, 0) for k, s in SOURCES[name].items()}
-    produced = aoa.pipeline.analyze(PROGRAMS[name], source, None).planner.targets()
+    produced = aoa.pipeline.analyze(PROGRAMS[name], source, None).destination_shards()
     destination = {t.key: sharded(t.key, t.global_shape, tp, len(t.global_shape) - 1)
                    for t in produced}
     forward = aoa.compile(PROGRAMS[name], source, destination)

@@ -12,8 +12,8 @@ from aoa.errors import (
     UsageError,
     ValidationError,
 )
+from aoa.jobs.load import Shard, load
 from aoa.layout import ShardDesc
-from aoa.load import Shard, load
 from aoa.pipeline import compile
 from aoa.plan import Plan, PlannedCopy
 

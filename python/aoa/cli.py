@@ -10,64 +10,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aoa.errors import AoaError, UsageError
-from aoa.layout import ShardDesc
-from aoa.pipeline import Compilation, analyze
+from aoa.mapping import read_mapping, read_shard_info
+from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
+from aoa.passes.context import CompileContext
+from aoa.passes.parse import texts
+from aoa.pipeline import Compilation, analyze, new_context, run_passes
+from aoa.printer import Printer
+from aoa.storage.formats import FORMAT_NAMES
+from aoa.storage.huggingface import DEFAULT_MAX_FILE_BYTES
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
 
-def read_mapping(path: str) -> tuple[str | list[str], bool, str]:
-    """A `.aoa` file, or JSON: a list of statements or Paddle's aoa_config dict.
-
-    Returns (statements, reverse flag from the file, file name for messages)."""
-    file = Path(path)
-    try:
-        text = file.read_text()
-    except OSError as error:
-        raise UsageError(f"cannot read mapping {path}: {error.strerror}") from None
-    if file.suffix != ".json":
-        return text, False, str(file)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}"
-                         ) from None
-    if isinstance(data, dict):
-        return (list(data.get("aoa_statements", [])), bool(data.get("aoa_config_reverse")),
-                str(file))
-    if isinstance(data, list) and all(isinstance(s, str) for s in data):
-        return data, False, str(file)
-    raise UsageError(f"{path}: expected a list of statements or an object with "
-                     "'aoa_statements'")
-
-
-def read_shard_info(path: str | None, what: str) -> dict[str, list[ShardDesc]] | None:
-    """Shard-info JSON: {key: [{key, local_shape, global_shape, global_offset, dtype}, ...]}."""
-    if path is None:
-        return None
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise UsageError(f"cannot read {what} shard info {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}"
-                         ) from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: expected an object mapping keys to lists of shards")
-    try:
-        return {key: [ShardDesc.from_json(s) for s in (shards if isinstance(shards, list)
-                                                       else [shards])]
-                for key, shards in data.items()}
-    except (KeyError, TypeError, ValueError) as error:
-        raise UsageError(f"{path}: a shard description needs key, local_shape, global_shape, "
-                         f"global_offset and dtype ({error})") from None
-
-
-def _compilation(args, share: bool = True) -> Compilation:
+def _compilation(args, passes: Sequence[Pass] = PIPELINE) -> Compilation:
     statements, reverse, file = read_mapping(args.mapping)
     return analyze(statements, read_shard_info(args.source, "source") or {},
                    read_shard_info(args.destination, "destination"),
-                   reverse=reverse or args.reverse, file=file, share=share)
+                   reverse=reverse or args.reverse, file=file, passes=passes)
 
 
 def cmd_compile(args) -> int:
@@ -84,33 +43,60 @@ def cmd_compile(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    compilation = _compilation(args, share=False)
+    if args.print_after or args.time_passes:
+        return _explain_passes(args)
+    printer = Printer(sys.stdout)
+    # every template instance in full, and nothing planned unless asked
+    compilation = _compilation(args, tuple(p for p in through(propagate_shapes)
+                                           if p is not share_instances))
     print("# statements after macro expansion")
-    for statement in compilation.program.statements:
-        written = statement.written()
-        where = written.span.location() if written.span else "?"
-        steps = [macro for macro, _ in statement.expansion()]
-        via = f"  [{where}{' via ' + ', '.join(steps) if steps else ''}]"
-        print(f"{statement}{via}")
+    printer.print_program(compilation.program)
     print()
     print("# destination keys and their pieces")
-    state = compilation.ctx.facts["symbolic"]
-    for key, tensor in state.outputs.items():
-        if tensor is None:
-            print(f"{key}: declared empty (`_ -> {key}`), left as it is")
-            continue
-        print(f"{key}: shape {list(tensor.shape)}, source dtype {tensor.dtype}")
-        for key_of_piece, piece in tensor.pieces():
-            target = ", ".join(f"{a}:{b}" for a, b in zip(piece.target_lo, piece.target_hi))
-            source = ", ".join(f"{a}:{b}" for a, b in zip(piece.source_lo, piece.source_hi))
-            ops = [op.text if hasattr(op, "text") else f"cast {op}" for op in piece.ops]
-            deleted = "  (deleted by `-> _`)" if key_of_piece in state.removed else ""
-            suffix = f"  ({'; '.join(ops)})" if ops else ""
-            print(f"    [{target}] <- {key_of_piece}[{source}]{suffix}{deleted}")
+    printer.print_tensors(compilation.tensors)
     if args.plan:
         print()
-        print(compilation.plan().describe())
+        printer.print_plan(compilation.plan())
     return EXIT_OK
+
+
+def _explain_passes(args) -> int:
+    """The pipeline as `aoa compile` runs it, printing the IR after the passes asked for
+    (up to the last of them, or all with --time-passes or --plan) and timing each."""
+    printer = Printer(sys.stdout)
+    wanted = set(args.print_after or ())
+    if "all" in wanted:
+        wanted = {p.NAME for p in PIPELINE}
+    passes: tuple[Pass, ...] = PIPELINE
+    if not (args.time_passes or args.plan):
+        passes = through(max((p for p in PIPELINE if p.NAME in wanted), key=PIPELINE.index))
+    times: list[tuple[str, float]] = []
+
+    def after(name: str, ir: object, ctx: CompileContext, seconds: float) -> None:
+        times.append((name, seconds))
+        if name in wanted:
+            printer.line(f"# after {name}")
+            printer.print_ir(ir)
+
+    statements, reverse, file = read_mapping(args.mapping)
+    ctx = new_context(read_shard_info(args.source, "source") or {},
+                      read_shard_info(args.destination, "destination"),
+                      reverse or args.reverse)
+    try:
+        run_passes(texts(statements, file=file), ctx, passes, after)
+    finally:
+        if args.time_passes:
+            _print_times(times)
+    return EXIT_OK
+
+
+def _print_times(times: Sequence[tuple[str, float]]) -> None:
+    """Seconds per pass and share of the total, on stderr (stdout holds the IR)."""
+    total = sum(seconds for _, seconds in times) or 1e-9
+    print(f"{'pass':<18} {'seconds':>9} {'share':>7}", file=sys.stderr)
+    for name, seconds in times:
+        print(f"{name:<18} {seconds:>9.4f} {seconds / total:>7.1%}", file=sys.stderr)
+    print(f"{'total':<18} {sum(s for _, s in times):>9.4f}", file=sys.stderr)
 
 
 def cmd_check(args) -> int:
@@ -124,18 +110,20 @@ def cmd_check(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from aoa.convert import check_output_folder, execute, prepare
-    from aoa.destination_layout import read_layout
-    from aoa.distributed import rank_share
-    from aoa.storage.checkpoint import open_source_checkpoint
+    from aoa.jobs.convert import execute, prepare
+    from aoa.jobs.distributed import rank_share
+    from aoa.mesh_layout import read_mesh_layout
+    from aoa.runtime.progress import progress_bar
+    from aoa.storage.formats import open_source
 
-    statements, reverse, file = read_mapping(args.mapping)
-    layout = read_layout(args.layout) if args.layout else None
+    mapping = read_mapping(args.mapping)
+    mapping = mapping._replace(reverse=mapping.reverse or args.reverse)
+    layout = read_mesh_layout(args.layout) if args.layout else None
     destination = read_shard_info(args.destination, "destination")
-    with open_source_checkpoint(args.source) as checkpoint:
-        conversion = prepare(statements, checkpoint, layout=layout, destination=destination,
-                             reverse=reverse or args.reverse, file=file,
-                             max_file_bytes=int(args.max_file_size * 1e9))
+    max_file_bytes = None if args.max_file_size is None else int(args.max_file_size * 1e9)
+    with open_source(args.source, args.source_format) as checkpoint:
+        conversion = prepare(mapping, checkpoint, layout=layout, destination=destination,
+                             output_format=args.output_format, max_file_bytes=max_file_bytes)
         for note in conversion.notes:
             print(note, file=sys.stderr)
         if args.dry_run:
@@ -145,14 +133,11 @@ def cmd_convert(args) -> int:
         files = conversion.files if share is None else share.files(conversion)
         nbytes = sum(f.nbytes for f in files)
         try:
-            if share is None:
-                check_output_folder(Path(args.output))
-            with _progress(nbytes, args.quiet) as advance:
+            with progress_bar(nbytes, "writing", show=not args.quiet) as advance:
                 if share is None:
-                    execute(conversion, checkpoint, args.output, threads=args.threads,
-                            progress=advance, check_output=False)
+                    execute(conversion, args.output, threads=args.threads, progress=advance)
                 else:
-                    share.execute(conversion, checkpoint, args.output, threads=args.threads,
+                    share.execute(conversion, args.output, threads=args.threads,
                                   progress=advance)
         finally:
             if share is not None:
@@ -162,26 +147,6 @@ def cmd_convert(args) -> int:
     print(f"wrote {len(files)} file{plural} ({nbytes / 1e9:.3f} GB) to "
           f"{args.output} in {conversion.seconds:.2f} s, {rate:.2f} GB/s")
     return EXIT_OK
-
-
-class _progress:
-    """A byte-counting progress bar (tqdm) on stderr, or nothing when quiet."""
-
-    def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.quiet, self.bar = total, quiet, None
-
-    def __enter__(self):
-        if self.quiet:
-            return None
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=self.total, unit="B", unit_scale=True, unit_divisor=1000,
-                        desc="writing", file=sys.stderr, leave=False)
-        return self.bar.update
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def cmd_demo(args) -> int:
@@ -211,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "destination key, its pieces")
     _add_program_arguments(explain)
     explain.add_argument("--plan", action="store_true", help="also describe the plan")
+    explain.add_argument("--print-after", action="append", metavar="PASS",
+                         choices=[p.NAME for p in PIPELINE] + ["all"],
+                         help="print the IR after this pass (repeatable; 'all': every "
+                              "pass), running the passes as `aoa compile` does: "
+                              + ", ".join(p.NAME for p in PIPELINE))
+    explain.add_argument("--time-passes", action="store_true",
+                         help="time each pass (on stderr)")
     explain.set_defaults(run=cmd_explain)
     check = commands.add_parser("check", help="report errors and notes (exit 1 on errors)")
     _add_program_arguments(check)
@@ -218,9 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="convert a checkpoint through a mapping")
     convert.add_argument("mapping", help="AOA statements (.aoa, or JSON)")
     convert.add_argument("--source", required=True,
-                         help="source checkpoint: a safetensors file or folder (Hugging Face, "
+                         help="source checkpoint: a file or folder (Hugging Face safetensors, "
                               "or sharded with DCP_SHARDING_INFO)")
+    convert.add_argument("--source-format", metavar="FORMAT",
+                         help="the source's format (default: detected from its contents): "
+                              + ", ".join(FORMAT_NAMES))
     convert.add_argument("--output", required=True, help="destination folder (new or empty)")
+    convert.add_argument("--output-format", metavar="FORMAT",
+                         help="the output's format (default: safetensors for whole tensors, "
+                              "dcp-safetensors for a layout or shard list)")
     where = convert.add_mutually_exclusive_group()
     where.add_argument("--layout", help="destination mesh and rules (TOML); without it and "
                                         "without --destination: full, unsharded tensors")
@@ -228,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--threads", type=int, help="copy threads (default: all CPUs)")
     convert.add_argument("--dry-run", action="store_true",
                          help="print what would be written and write nothing")
-    convert.add_argument("--max-file-size", type=float, default=5.0,
-                         help="GB per Hugging Face file (default 5)")
+    convert.add_argument("--max-file-size", type=float,
+                         help=f"GB per Hugging Face file (default "
+                              f"{DEFAULT_MAX_FILE_BYTES / 1e9:g})")
     convert.add_argument("--reverse", action="store_true", help="run the program backwards")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.add_argument("--rank", type=int, help="with --world-size: this process writes "

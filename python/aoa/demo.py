@@ -16,10 +16,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from aoa.convert import execute, prepare
-from aoa.destination_layout import read_layout
-from aoa.storage.checkpoint import open_source_checkpoint
-from aoa.storage.safetensors import SafetensorsFile, TensorSpec, write_safetensors
+from aoa.jobs.convert import execute, prepare
+from aoa.layout import ShardDesc
+from aoa.mapping import read_mapping
+from aoa.mesh_layout import read_mesh_layout
+from aoa.storage.formats import open_source
+from aoa.storage.safetensors import SafetensorsFile, write_safetensors
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB, TP = 2, 256, 4, 2, 512, 1024, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -53,7 +55,8 @@ def make_checkpoint(folder: Path, seed: int = 0) -> dict[str, np.ndarray]:
             np.frombuffer(view, dtype=np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
 
     write_safetensors(folder / "model.safetensors",
-                      [TensorSpec(k, "bfloat16", v.shape) for k, v in tensors.items()], None, fill)
+                      [ShardDesc.full(k, v.shape, "bfloat16") for k, v in tensors.items()], None,
+                      fill)
     return tensors
 
 
@@ -100,13 +103,12 @@ def run(threads: int | None = None, keep: str | None = None) -> int:
         mapping = data_file("llama_fused_tp2.aoa")
         print(f"source: {source_dir} ({len(hf)} bfloat16 tensors, Hugging Face names)")
         print(f"mapping: {mapping.name}, layout: {data_file('llama_tp2.toml').name}")
-        with open_source_checkpoint(source_dir) as checkpoint:
+        with open_source(source_dir) as checkpoint:
             start = time.perf_counter()
-            conversion = prepare(mapping.read_text(), checkpoint,
-                                 layout=read_layout(data_file("llama_tp2.toml")),
-                                 file=str(mapping))
+            conversion = prepare(read_mapping(mapping), checkpoint,
+                                 layout=read_mesh_layout(data_file("llama_tp2.toml")))
             compiled = time.perf_counter() - start
-            execute(conversion, checkpoint, output_dir, threads=threads)
+            execute(conversion, output_dir, threads=threads)
         mismatches = 0
         for rank, file in enumerate(conversion.files):
             expected = expected_shards(hf, rank)

@@ -8,6 +8,7 @@ text the user wrote.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from aoa.source import Span
 
@@ -127,9 +128,31 @@ def format_statement(statement: Statement) -> str:
     return f"{', '.join(str(name) for name in statement.left)} -> {', '.join(right)}"
 
 
+class Follower(NamedTuple):
+    """A template instance set aside (share_instances): it is compiled as its group's kept
+    statement, names renamed position by position. ``reads`` are its read keys, the names
+    left of `->` without `^T` (a NamedTuple: a big model has tens of thousands)."""
+
+    statement: Statement
+    reads: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SharedInstances:
+    """Instances of one template that are independent and laid out like ``kept``: only
+    ``kept`` goes through the later passes, and its results are renamed for each follower."""
+
+    kept: Statement
+    followers: tuple[Follower, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Program:
+    """The statements in order; ``shared`` holds the instances set aside by share_instances
+    (they are part of the program: shape propagation gives them their kept one's tensors)."""
+
     statements: tuple[Statement, ...]
+    shared: tuple[SharedInstances, ...] = ()
 
     def __str__(self) -> str:
         return "\n".join(format_statement(s) for s in self.statements)

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
+from aoa.dtypes import itemsize
 from aoa.errors import UsageError
 
 #: Paddle's OPTIMIZER_STATE_NAME, in the order `split_optimizer_suffix` tries them.
@@ -38,6 +39,11 @@ class ShardDesc:
     @property
     def numel(self) -> int:
         return prod(self.local_shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the box (dtype None reads as float32, as in Paddle)."""
+        return prod(self.local_shape) * itemsize(self.dtype or "float32")
 
     def to_json(self) -> dict:
         return {"key": self.key, "local_shape": list(self.local_shape),
@@ -82,16 +88,6 @@ def shard_count(info: ShardInfo | None, key: str) -> tuple[int | None, dict[str,
             counts[key + suffix] = len({shard.global_offset for shard in shards})
     values = set(counts.values())
     return (values.pop() if len(values) == 1 else None), counts
-
-
-def layout_ids(info: ShardInfo | None) -> dict[str, int]:
-    """A small number per key standing for its shards' boxes and dtypes, in listed order:
-    keys with equal numbers are laid out alike. Worked out once per compile, for the passes
-    that treat alike keys alike (sharing template instances, memoized planning)."""
-    ids: dict[tuple, int] = {}
-    return {key: ids.setdefault(tuple([(s.global_offset, s.local_shape, s.global_shape, s.dtype)
-                                       for s in shards]), len(ids))
-            for key, shards in (info or {}).items()}
 
 
 def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[ShardDesc]] | None:

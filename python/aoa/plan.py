@@ -3,22 +3,22 @@
 It is what `aoa compile` writes, what `aoa explain` describes, and all that the executor
 reads: shard descriptions on both sides and a sequence of copies with boxes, an axis order
 (permutation) and rounding steps (a CopyTable as planned, a list as read from JSON: they
-compare equal). `kernel_copies()` lowers it to byte offsets and strides.
+compare equal). The runtime lowers it to byte offsets and strides (`aoa.runtime.lower`);
+nothing here knows how copies run.
 """
 
 from __future__ import annotations
 
 import bisect
+import io
 import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from math import prod
 from typing import NamedTuple, overload
 
-from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
-from aoa.runtime.copies import Copy, c_strides
+from aoa.printer import Printer
 
 FORMAT = "aoa-plan/1"
 
@@ -139,35 +139,15 @@ class Plan:
     #: destination shards declared with `_ -> X`: left as they are, no copy
     untouched: list[int] = field(default_factory=list)
 
-    # -- execution -----------------------------------------------------------------------
-    def kernel_copies(self, copies: list[PlannedCopy] | None = None) -> list[Copy]:
-        """Byte offsets and strides for C-contiguous shard buffers, in plan order."""
-        result = []
-        for c in self.copies if copies is None else copies:
-            src, dst = self.sources[c.source], self.destinations[c.destination]
-            src_dtype, dst_dtype = src.dtype or "float32", dst.dtype or "float32"
-            src_strides = c_strides(src.local_shape, itemsize(src_dtype))
-            dst_strides = c_strides(dst.local_shape, itemsize(dst_dtype))
-            src_offset = sum(a * b for a, b in zip(c.source_start, src_strides))
-            dst_offset = sum(a * b for a, b in zip(c.destination_start, dst_strides))
-            if c.order is not None:
-                src_strides = tuple(src_strides[a] for a in c.order)
-            result.append(Copy(c.source, src_offset, src_strides, c.destination, dst_offset,
-                               dst_strides, c.shape, src_dtype, dst_dtype, c.casts))
-        return result
-
+    # -- queries -------------------------------------------------------------------------
     def copies_by_destination(self) -> dict[int, list[PlannedCopy]]:
         grouped: dict[int, list[PlannedCopy]] = {i: [] for i in range(len(self.destinations))}
         for c in self.copies:
             grouped[c.destination].append(c)
         return grouped
 
-    def shard_bytes(self, index: int) -> int:
-        shard = self.destinations[index]
-        return prod(shard.local_shape) * itemsize(shard.dtype or "float32")
-
     def destination_bytes(self) -> int:
-        return sum(self.shard_bytes(i) for i in range(len(self.destinations)))
+        return sum(shard.nbytes for shard in self.destinations)
 
     # -- serialization -------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -198,30 +178,6 @@ class Plan:
     # -- for people ----------------------------------------------------------------------
     def describe(self) -> str:
         """One block per destination shard: where each of its regions comes from."""
-        lines = [f"plan: {len(self.sources)} source shards -> {len(self.destinations)} "
-                 f"destination shards, {len(self.copies)} copies, "
-                 f"{self.destination_bytes():,} bytes"]
-        grouped = self.copies_by_destination()
-        for index, dst in enumerate(self.destinations):
-            lines.append(f"{_box_text(dst)}  {dst.dtype or '-'}")
-            if index in self.untouched:
-                lines.append("    (left as it is: declared with `_ -> key`)")
-            for c in grouped[index]:
-                src = self.sources[c.source]
-                region = ", ".join(f"{a}:{a + n}" for a, n in zip(c.destination_start, c.shape))
-                source_region = ", ".join(f"{o + a}:{o + a + n}" for o, a, n in
-                                          zip(src.global_offset, c.source_start, c.source_shape))
-                steps = []
-                if c.order is not None:
-                    steps.append(f"permute {list(c.order)}")
-                steps += [f"round to {d}" for d in c.casts]
-                if (src.dtype or "float32") != (dst.dtype or "float32"):
-                    steps.append(f"cast {src.dtype} -> {dst.dtype}")
-                extra = f"  ({'; '.join(steps)})" if steps else ""
-                lines.append(f"    [{region}] <- {src.key}[{source_region}]{extra}")
-        return "\n".join(lines)
-
-
-def _box_text(shard: ShardDesc) -> str:
-    region = ", ".join(f"{o}:{o + n}" for o, n in zip(shard.global_offset, shard.local_shape))
-    return f"{shard.key}[{region}] of {list(shard.global_shape)}"
+        out = io.StringIO()
+        Printer(out).print_plan(self)
+        return out.getvalue().rstrip("\n")

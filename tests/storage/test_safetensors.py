@@ -21,11 +21,11 @@ from safetensors.numpy import load_file, save_file
 
 from aoa.dtypes import NUMPY_DTYPES, SAFETENSORS_CODES
 from aoa.errors import StorageError
+from aoa.layout import ShardDesc
 from aoa.storage.safetensors import (
     MAX_HEADER_BYTES,
     SafetensorsFile,
     SafetensorsWriter,
-    TensorSpec,
     write_safetensors,
 )
 
@@ -42,7 +42,7 @@ def sample(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 def write_arrays(path: Path, arrays: dict[str, np.ndarray], metadata=None) -> Path:
     """Write ``arrays`` with aoa, each filled by a plain byte copy."""
-    specs = [TensorSpec(name, str_dtype(a), a.shape) for name, a in arrays.items()]
+    specs = [ShardDesc.full(name, a.shape, str_dtype(a)) for name, a in arrays.items()]
 
     def fill(views: dict[str, memoryview]) -> None:
         for name, view in views.items():
@@ -238,7 +238,8 @@ def test_fill_that_raises_leaves_no_file(tmp_path: Path) -> None:
         raise RuntimeError("kernel failed")
 
     with pytest.raises(RuntimeError, match="kernel failed"):
-        write_safetensors(tmp_path / "a.safetensors", [TensorSpec("w", "int32", (2,))], None, fill)
+        write_safetensors(tmp_path / "a.safetensors", [ShardDesc.full("w", (2,), "int32")],
+                          None, fill)
     assert leftovers(tmp_path) == []
 
 
@@ -250,13 +251,14 @@ def test_fill_that_raises_keeps_the_older_file(tmp_path: Path) -> None:
         raise RuntimeError("kernel failed")
 
     with pytest.raises(RuntimeError):
-        write_safetensors(path, [TensorSpec("w", "int8", (3,))], None, fill)
+        write_safetensors(path, [ShardDesc.full("w", (3,), "int8")], None, fill)
     assert leftovers(tmp_path) == ["a.safetensors"]
     assert path.read_bytes() == before
 
 
 def test_writer_left_without_commit_leaves_no_file(tmp_path: Path) -> None:
-    with SafetensorsWriter(tmp_path / "a.safetensors", [TensorSpec("w", "int8", (3,))]) as w:
+    with SafetensorsWriter(tmp_path / "a.safetensors", [ShardDesc.full("w", (3,), "int8")]
+                           ) as w:
         w.buffer("w")[:] = b"xyz"
         assert leftovers(tmp_path) == [".a.safetensors.aoa-partial"]
     assert leftovers(tmp_path) == []
@@ -264,7 +266,8 @@ def test_writer_left_without_commit_leaves_no_file(tmp_path: Path) -> None:
 
 def test_writer_commit_then_failure_removes_the_file(tmp_path: Path) -> None:
     path = tmp_path / "a.safetensors"
-    with pytest.raises(RuntimeError), SafetensorsWriter(path, [TensorSpec("w", "int8", (3,))]) as w:
+    w_int8 = [ShardDesc.full("w", (3,), "int8")]
+    with pytest.raises(RuntimeError), SafetensorsWriter(path, w_int8) as w:
         w.commit()
         assert leftovers(tmp_path) == ["a.safetensors"]
         raise RuntimeError("later step failed")
@@ -272,7 +275,8 @@ def test_writer_commit_then_failure_removes_the_file(tmp_path: Path) -> None:
 
 
 def test_writer_with_a_view_still_held_commits(tmp_path: Path) -> None:
-    with SafetensorsWriter(tmp_path / "a.safetensors", [TensorSpec("w", "uint8", (3,))]) as w:
+    with SafetensorsWriter(tmp_path / "a.safetensors", [ShardDesc.full("w", (3,), "uint8")]
+                           ) as w:
         view = w.buffer("w")
         kept = np.frombuffer(view, np.uint8)
         kept[:] = [1, 2, 3]
@@ -287,11 +291,12 @@ def test_writer_with_a_view_still_held_commits(tmp_path: Path) -> None:
 def test_killed_writer_leaves_only_a_partial_dot_file(tmp_path: Path) -> None:
     script = (
         "import os, sys\n"
-        "from aoa.storage.safetensors import TensorSpec, write_safetensors\n"
+        "from aoa.layout import ShardDesc\n"
+        "from aoa.storage.safetensors import write_safetensors\n"
         "def fill(views):\n"
         "    views['w'][:2] = b'ab'\n"
         "    os._exit(9)\n"
-        "write_safetensors(sys.argv[1], [TensorSpec('w', 'float32', (4,))], None, fill)\n"
+        "write_safetensors(sys.argv[1], [ShardDesc.full('w', (4,), 'float32')], None, fill)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "python")}
     done = subprocess.run(
@@ -301,19 +306,20 @@ def test_killed_writer_leaves_only_a_partial_dot_file(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == [".a.safetensors.aoa-partial"]
 
 
-def test_writer_rejects_bad_specs(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("specs", "message"), [
+    ([ShardDesc.full("w", (1,), "int8"), ShardDesc.full("w", (1,), "int8")],
+     "tensor 'w': name is reserved or used twice in one file"),
+    ([ShardDesc.full("__metadata__", (1,), "int8")],
+     "tensor '__metadata__': name is reserved or used twice in one file"),
+    ([ShardDesc.full("w", (1,), "complex64")],
+     "tensor 'w': dtype 'complex64' has no safetensors code"),
+    ([ShardDesc.full("w", (1,), None)], "tensor 'w': dtype None has no safetensors code"),
+])
+def test_writer_rejects_bad_specs(tmp_path: Path, specs: list[ShardDesc], message: str) -> None:
     path = tmp_path / "a.safetensors"
-    cases = [
-        ([TensorSpec("w", "int8", (1,)), TensorSpec("w", "int8", (1,))], "used twice"),
-        ([TensorSpec("__metadata__", "int8", (1,))], "reserved"),
-        ([TensorSpec("w", "complex64", (1,))], "dtype 'complex64' has no safetensors code"),
-        ([TensorSpec("w", "int8", (-1,))], "not non-negative"),
-    ]
-    for specs, fragment in cases:
-        with pytest.raises(StorageError) as caught:
-            write_safetensors(path, specs, None, lambda views: None)
-        assert caught.value.message.startswith(f"{path}: tensor '{specs[-1].name}': ")
-        assert fragment in caught.value.message
+    with pytest.raises(StorageError) as caught:
+        write_safetensors(path, specs, None, lambda views: None)
+    assert caught.value.message == f"{path}: {message}"
     assert leftovers(tmp_path) == []
 
 
@@ -321,7 +327,7 @@ def test_unwritable_destination_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "plain").write_text("not a folder")
     path = tmp_path / "plain" / "a.safetensors"
     with pytest.raises(StorageError) as caught:
-        write_safetensors(path, [TensorSpec("w", "int8", (1,))], None, lambda views: None)
+        write_safetensors(path, [ShardDesc.full("w", (1,), "int8")], None, lambda views: None)
     assert caught.value.message == f"{path}: cannot write: Not a directory"
 
 

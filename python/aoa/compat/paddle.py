@@ -12,7 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from aoa.layout import ShardDesc, as_shard, normalize_shard_info
+from aoa.passes import PIPELINE, propagate_shapes, through
+from aoa.passes.plan import Planner
 from aoa.pipeline import analyze
+from aoa.symbolic import Op, Permute
 
 #: Paddle's shard descriptor; the same fields and value semantics.
 ShardedWeightDesc = ShardDesc
@@ -38,31 +41,39 @@ class AOAEngine:
         self.reverse = bool(aoa_config.get("aoa_config_reverse", False))
         self.source = normalize_shard_info(source_state_shard_info, "source") or {}
         self.destination = normalize_shard_info(destination_state_shard_info, "destination")
-        self.compilation = analyze(self.statements, self.source, self.destination,
-                                   reverse=self.reverse)
-        if self.destination is not None:
-            # Refuse wrong programs before any byte moves, not at the query that hits them.
-            self.compilation.plan()
+        # With a destination, every shard is planned: wrong programs are refused before
+        # any byte moves, not at the query that hits them.
+        self.compilation = analyze(
+            self.statements, self.source, self.destination, reverse=self.reverse,
+            passes=PIPELINE if self.destination is not None else through(propagate_shapes))
+        self._planner = Planner(self.compilation.tensors, self.compilation.ctx)
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
-        planner = self.compilation.planner
+        planner = self._planner
         target = as_shard(target)
-        tensor = planner.tensor_for(target.key)
-        entries = planner.answer(target)
-        if entries is None or tensor is None:
+        answer = planner.answer(target)
+        if answer is None:
             return []
-        planner.check(target, tensor, entries)
+        if self.destination is None or target not in self.destination.get(target.key, ()):
+            planner.check(target, answer)  # a box the plan did not validate
         result = []
-        for entry in entries:
-            source_shape = self.source[entry.source_key][0].global_shape
-            source_dtype = self.source[entry.source_key][0].dtype
+        for source_key, entry in answer:
+            source_shape = self.source[source_key][0].global_shape
+            source_dtype = self.source[source_key][0].dtype
             result.append(ShardMappingEntry(
                 ShardDesc(target.key, _size(entry.target_lo, entry.target_hi),
                           target.global_shape, entry.target_lo, target.dtype),
-                ShardDesc(entry.source_key, _size(entry.source_lo, entry.source_hi),
+                ShardDesc(source_key, _size(entry.source_lo, entry.source_hi),
                           source_shape, entry.source_lo, source_dtype),
-                entry.postprocess()))
+                _postprocess(entry.ops)))
         return result
+
+
+def _postprocess(ops: tuple[Op, ...]) -> list[str] | None:
+    """Paddle's postprocess list: permutation strings and dtype names, in order."""
+    if not ops:
+        return None
+    return [op.text if isinstance(op, Permute) else op for op in ops]
 
 
 def _size(lo: Sequence[int], hi: Sequence[int]) -> tuple[int, ...]:

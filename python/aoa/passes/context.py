@@ -1,11 +1,14 @@
-"""What every pass may consult: the shard information, the direction, and a place for notes."""
+"""What every pass may consult: the shard information, the direction, and a place for notes.
+
+Results one pass hands to a later one travel in the IR, typed (`Program.shared`,
+`ChainedProgram.chains`, `SymbolicTensors`), not here."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from aoa.layout import ShardDesc, layout_ids, model_state_keys
+from aoa.layout import ShardDesc, model_state_keys
 from aoa.source import Span
 
 
@@ -24,20 +27,38 @@ class Note:
         return "\n".join(lines)
 
 
+class Shardings:
+    """Numbers for the ways keys are sharded: shards' boxes and dtypes, in listed order.
+    Keys with equal numbers are sharded alike, so the passes that treat alike keys alike
+    (sharing template instances, planning) compare numbers; one numbering per compile,
+    for the source and the destination alike."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[tuple, int] = {}
+
+    def number(self, shards: Sequence[ShardDesc]) -> int:
+        numbers = self._numbers
+        return numbers.setdefault(tuple([(s.global_offset, s.local_shape, s.global_shape,
+                                          s.dtype) for s in shards]), len(numbers))
+
+    def of_keys(self, info: Mapping[str, Sequence[ShardDesc]] | None) -> dict[str, int]:
+        """The number of each key's shards."""
+        return {key: self.number(shards) for key, shards in (info or {}).items()}
+
+
 @dataclass
 class CompileContext:
     source: dict[str, list[ShardDesc]]
     destination: dict[str, list[ShardDesc]] | None
     reverse: bool = False
     notes: list[Note] = field(default_factory=list)
-    #: Results that later passes need besides the IR (for example the chains).
-    facts: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.source_keys = model_state_keys(self.source)
         self.destination_keys = model_state_keys(self.destination)
-        self.source_layouts = layout_ids(self.source)
-        self.destination_layouts = layout_ids(self.destination)
+        self.shardings = Shardings()
+        self.source_shardings = self.shardings.of_keys(self.source)
+        self.destination_shardings = self.shardings.of_keys(self.destination)
 
     def note(self, message: str, span: Span | None = None) -> None:
         self.notes.append(Note(message, span))

@@ -13,8 +13,10 @@ from math import lcm
 from aoa.errors import MacroError
 from aoa.ir import Attribute, Name, Program, Statement
 from aoa.passes.context import CompileContext
-from aoa.passes.resolve_chains import Chains
+from aoa.passes.resolve_chains import ChainedProgram, Chains
+from aoa.source import Span
 
+NAME = "expand_fused"
 TRANSPOSE_SUFFIX = "_transpose_tmp"
 FFN_PREFIX = "fused_ffn_tmp."
 QKV_OLD_PREFIX = "fused_qkv_old_tmp."
@@ -35,12 +37,17 @@ def _ffn_layout(shards: int, pieces: int) -> tuple[str, ...]:
 
 
 class _Fuser:
-    def __init__(self, ctx: CompileContext) -> None:
+    def __init__(self, ctx: CompileContext, chains: Chains) -> None:
         self.ctx = ctx
-        self.chains: Chains = ctx.facts["chains"]
-        self._name_cache: dict = {}
+        self.chains = chains
+        #: the Names and axis attributes made so far, per span (a span is a value: its
+        #: file, line and columns), so that statements made alike share them
+        self._names_by_span: dict[Span | None, dict[str, Name]] = {}
+        self._axes: dict[tuple[int, Span | None], Attribute] = {}
+        self.index = 0  # the position in the program of the statement being expanded
 
-    def expand(self, statement: Statement) -> list[Statement]:
+    def expand(self, index: int, statement: Statement) -> list[Statement]:
+        self.index = index
         for name in statement.right:
             if name.transposed:
                 raise MacroError(
@@ -106,7 +113,7 @@ class _Fuser:
 
     def _count(self, written: Statement, name: Name) -> int:
         left = any(n is name for n in written.left)
-        return self.chains.shard_count(written, name.base, left=left)
+        return self.chains.shard_count(self.index, name.base, left=left)
 
     def _make(self, parent: Statement, macro: str, left, right, axis: int, span) -> Statement:
         """A split or concat of pieces; with one piece on each side, a plain rename (not
@@ -117,23 +124,25 @@ class _Fuser:
 
     def _names(self, names, span) -> tuple[Name, ...]:
         """Names for generated pieces, shared across statements (they repeat per layer)."""
+        made = self._names_by_span.get(span)
+        if made is None:
+            made = self._names_by_span[span] = {}
         result = []
-        cache = self._name_cache
-        where = id(span)  # spans live as long as the program: their ids are stable keys
         for name in names:
             if isinstance(name, Name):
                 result.append(name)
                 continue
-            made = cache.get((name, where))
-            if made is None:
-                made = cache[(name, where)] = Name(name, span)
-            result.append(made)
+            named = made.get(name)
+            if named is None:
+                named = made[name] = Name(name, span)
+            result.append(named)
         return tuple(result)
 
     def _axis(self, axis: int, span) -> Attribute:
-        made = self._name_cache.get((axis, id(span)))
+        key = (axis, span)
+        made = self._axes.get(key)
         if made is None:
-            made = self._name_cache[(axis, id(span))] = Attribute("axis", axis, span)
+            made = self._axes[key] = Attribute("axis", axis, span)
         return made
 
     def _heads(self, statement: Statement, flag: Attribute) -> tuple[int, int]:
@@ -250,7 +259,8 @@ class _Fuser:
                 self._make(s, "fused_qkv", grouped, [s.right[0]], axis, span)]
 
 
-def run(program: Program, ctx: CompileContext) -> Program:
-    fuser = _Fuser(ctx)
-    return Program(tuple(out for statement in program.statements
-                         for out in fuser.expand(statement)))
+def run(chained: ChainedProgram, ctx: CompileContext) -> Program:
+    program = chained.program
+    fuser = _Fuser(ctx, chained.chains)
+    return Program(tuple(out for index, statement in enumerate(program.statements)
+                         for out in fuser.expand(index, statement)), program.shared)

@@ -18,6 +18,8 @@ from aoa.errors import MacroError
 from aoa.ir import Name, Origin, Program, Statement
 from aoa.passes.context import CompileContext
 
+NAME = "expand_macros"
+
 LAYER_ID_OFFSET = "$LAYER_ID_OFFSET"
 PLACEHOLDERS = ("$EXPERT_ID", "$LAYER_ID")  # sorted by name: expert id is the major key
 

@@ -1,4 +1,7 @@
-"""Parse: AOA text -> IR, with a span on every node (grammar/aoa.lark, Lark LALR)."""
+"""Parse: AOA text -> IR, with a span on every node (grammar/aoa.lark, Lark LALR).
+
+The pipeline's input is the units of text (`texts`): a `.aoa` file is one, Paddle's list
+of statement strings one per item."""
 
 from __future__ import annotations
 
@@ -20,7 +23,10 @@ from lark.exceptions import VisitError
 
 from aoa.errors import AoaSyntaxError
 from aoa.ir import FLAG_ATTRIBUTES, Attribute, Name, Program, Statement
+from aoa.passes.context import CompileContext
 from aoa.source import SourceText, Span
+
+NAME = "parse"
 
 _TOKEN_WORDS = {
     "ARROW": "'->'", "IDENTIFIER": "a name", "NUMBER": "a number", "STRING": "a string",
@@ -174,14 +180,17 @@ def parse_source(source: SourceText) -> list[Statement]:
         raise error.orig_exc from None
 
 
-def parse(statements: str | Sequence[str], *, file: str | None = None) -> Program:
-    """Parse a whole program: one text (a `.aoa` file), or Paddle's list of statement strings
-    (each item may hold several statements, or none)."""
+def texts(statements: str | Sequence[str], *, file: str | None = None
+          ) -> tuple[SourceText, ...]:
+    """The units of a program: one text (a `.aoa` file), or Paddle's list of statement
+    strings (each item may hold several statements, or none)."""
     if isinstance(statements, str):
-        units = [SourceText(file or "<aoa>", statements)]
-    else:
-        units = [SourceText(f"{file or '<statement'} {i}>" if file is None else f"{file}[{i}]",
-                            text) for i, text in enumerate(statements)]
+        return (SourceText(file or "<aoa>", statements),)
+    return tuple(SourceText(f"{file or '<statement'} {i}>" if file is None else f"{file}[{i}]",
+                            text) for i, text in enumerate(statements))
+
+
+def run(units: Sequence[SourceText], ctx: CompileContext) -> Program:
     result: list[Statement] = []
     for unit in units:
         result.extend(parse_source(unit))

@@ -1,47 +1,38 @@
 """Plan: for each destination shard, the copies that fill it, read from the physical source
 shards; validated before any byte moves (spec 6.7, 0.3).
 
-`Planner.answer` is Paddle's `find_shard_sources` without its state changes: the pieces of
-the destination key's tensor that intersect the asked box. `Planner.plan` turns the answers
-for every destination shard into a Plan and refuses what would produce wrong data.
+The pass plans every destination shard (the declared ones, or without a destination the
+outputs the program makes, whole). `Planner.answer` is Paddle's `find_shard_sources`
+without its state changes: the pieces of the destination key's tensor that intersect the
+asked box. `Planner.plan` turns the answers for shards into a Plan and refuses what would
+produce wrong data.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from math import prod
 from operator import attrgetter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from aoa import slices
+from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS, is_exact_widening
 from aoa.errors import PlanError, ValidationError
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
 from aoa.passes.context import CompileContext
-from aoa.passes.propagate_shapes import SymbolicState, Tensor
 from aoa.plan import CopyTable, KeyedCopy, Plan
-from aoa.slices import Op, Permute
+from aoa.printer import shard_region
+from aoa.symbolic import Box, Entry, Op, SymbolicTensors, Tensor, dtype_after
 
-Box = tuple[int, ...]
+if TYPE_CHECKING:
+    from aoa.printer import Printer
 
+NAME = "plan"
 
-class Entry(NamedTuple):
-    """``destination[target box] = ops(source[source_key][source box])``, global boxes."""
-
-    target_lo: Box
-    target_hi: Box
-    source_key: str
-    source_lo: Box
-    source_hi: Box
-    ops: tuple[Op, ...]
-    order: tuple[int, ...] | None
-
-    def postprocess(self) -> list[str] | None:
-        """Paddle's postprocess list: permutation strings and dtype names, in order."""
-        if not self.ops:
-            return None
-        return [op.text if isinstance(op, Permute) else op for op in self.ops]
+#: the pieces that fill a destination shard, each with the source key it reads
+Answer = list[tuple[str, Entry]]
 
 
 class _Read(NamedTuple):
@@ -89,40 +80,34 @@ def _distinct_positions(key: str, shards: Sequence[ShardDesc]) -> list[int] | No
 
 
 def _describe(shard: ShardDesc) -> str:
-    region = ", ".join(f"{o}:{o + n}" for o, n in zip(shard.global_offset, shard.local_shape))
-    return f"'{shard.key}' [{region}]"
-
-
-def result_dtype(ops: Sequence[Op], source_dtype: str | None) -> str | None:
-    """The dtype a piece has after its casts."""
-    for op in reversed(ops):
-        if isinstance(op, str):
-            return op
-    return source_dtype
+    return f"'{shard.key}' [{shard_region(shard)}]"
 
 
 class _SourceIndex:
     """The source shards a plan reads, each listed once, in the order first read.
 
     Most source keys are read by one destination key only: their shards are appended in
-    one step and remembered as (first index, positions) until another key reads them."""
+    one step, remembered in ``_first`` as (first index, positions); a key read again gets a
+    position -> index map in ``_index``."""
 
     def __init__(self, distinct_shards) -> None:
         self.shards: list[ShardDesc] = []
         self._distinct_shards = distinct_shards
-        self._of: dict[str, tuple[int, tuple[int, ...]] | dict[int, int]] = {}
+        self._first: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._index: dict[str, dict[int, int]] = {}
 
     def ids(self, key: str, positions: tuple[int, ...]) -> Sequence[int]:
         """Plan indices of the shards of ``key`` at ``positions`` among its distinct ones."""
-        known = self._of.get(key)
+        known = self._index.get(key)
         if known is None:
-            first = len(self.shards)
-            self.shards += map(self._distinct_shards(key).__getitem__, positions)
-            self._of[key] = (first, positions)
-            return range(first, first + len(positions))
-        if isinstance(known, tuple):
-            first, listed = known
-            known = self._of[key] = {p: first + i for i, p in enumerate(listed)}
+            listed = self._first.get(key)
+            if listed is None:
+                first = len(self.shards)
+                self.shards += map(self._distinct_shards(key).__getitem__, positions)
+                self._first[key] = (first, positions)
+                return range(first, first + len(positions))
+            first, read = listed
+            known = self._index[key] = {p: first + i for i, p in enumerate(read)}
         ids = []
         for position in positions:
             index = known.get(position)
@@ -133,20 +118,76 @@ class _SourceIndex:
         return ids
 
 
+@dataclass
+class PlannedProgram:
+    """What the plan pass leaves: the plan of every destination shard, beside the symbolic
+    tensors it was made from (other boxes of the outputs are planned from them on demand)."""
+
+    tensors: SymbolicTensors
+    plan: Plan
+
+    def print(self, printer: Printer) -> None:
+        """The plan, then the notes the compiler made on the way."""
+        printer.print_plan(self.plan)
+        printer.print_notes(self.plan.notes)
+
+
+def run(tensors: SymbolicTensors, ctx: CompileContext) -> PlannedProgram:
+    return PlannedProgram(tensors, Planner(tensors, ctx).plan())
+
+
+def destination_shards(tensors: SymbolicTensors, ctx: CompileContext) -> list[ShardDesc]:
+    """The shards to plan: the declared destination's, or without one every output whole,
+    in the dtype its casts produce (spec 7.2)."""
+    if ctx.destination is not None:
+        return [shard for shards in ctx.destination.values() for shard in shards]
+    return [ShardDesc.full(name, tensor.shape, _output_dtype(name, tensor))
+            for name, tensor in sorted(tensors.outputs.items()) if tensor is not None]
+
+
+def _output_dtype(name: str, tensor: Tensor) -> str | None:
+    """Without a destination, an output's dtype is the one its casts produce (spec 7.2)."""
+    last = set()
+    for piece in tensor.piece_map.pieces:
+        casts = [op for op in piece.ops if isinstance(op, str) and op in CAST_TARGETS]
+        if casts:
+            last.add(casts[-1])
+    if len(last) > 1:
+        raise ValidationError(f"the pieces of output '{name}' are cast to different dtypes "
+                              f"({', '.join(sorted(last))})",
+                              hint="Cast the whole tensor after assembling it.")
+    return last.pop() if last else tensor.dtype
+
+
 class Planner:
-    def __init__(self, ctx: CompileContext) -> None:
+    """Plans boxes of the outputs: answers (the pieces that fill a box), checks, copies.
+
+    A big model's keys are planned alike by the thousand, so the planner remembers, keyed
+    by values only (what is remembered is right for whatever asks with an equal key):
+
+    - ``_distinct``: sharding number of a source key -> positions of its distinct shards
+      (None: all), checked once to tile the tensor;
+    - ``_source_shards``: source key -> its distinct shards;
+    - ``_reads_memo``: (source box of an entry, its axis order, sharding number of the
+      source key) -> the reads of that box from the key's distinct shards;
+    - ``_casts_memo``: (ops, source dtype, destination dtype) -> the rounding steps;
+    - ``_key_memo``: (the output's piece map, the optimizer suffix, sharding numbers of the
+      keys its slots read, sharding number of the destination shards planned, which slots
+      read the same key) -> (reads, copies) of all those shards, sources as positions, so
+      that another key planned alike only renames them. The piece map is a value (its
+      shape and pieces), and a key's names enter only through the sharding numbers and
+      the slots that repeat, which is all the copies depend on. Not used when the program
+      deletes a source key (`X -> _`): what is read then depends on the names."""
+
+    def __init__(self, tensors: SymbolicTensors, ctx: CompileContext) -> None:
         self.ctx = ctx
-        self.state: SymbolicState = ctx.facts["symbolic"]
+        self.state = tensors
+        self._distinct: dict[int, list[int] | None] = {}
         self._source_shards: dict[str, list[ShardDesc]] = {}
-        #: a source layout id -> positions of its distinct shards (None: all): each layout
-        #: is checked to tile its tensor once, not once per key
-        self._tilings: dict[int, list[int] | None] = {}
-        self._physical_memo: dict[tuple, list[_Physical]] = {}
-        self._cast_memo: dict[tuple, tuple[str, ...]] = {}
-        #: (layout, suffix, source layout ids, the key's shards) -> (reads, copies per
-        #: shard); the layouts stay alive with the outputs that hold them, so ids stay unique
-        self._recipe_memo: dict[tuple, tuple[list[tuple[int, tuple[int, ...]]],
-                                             list[KeyedCopy]]] = {}
+        self._reads_memo: dict[tuple, list[_Physical]] = {}
+        self._casts_memo: dict[tuple, tuple[str, ...]] = {}
+        self._key_memo: dict[tuple, tuple[list[tuple[int, tuple[int, ...]]],
+                                          list[KeyedCopy]]] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -159,7 +200,7 @@ class Planner:
         return self.state.outputs[model_key]
 
     def _raw_entries(self, target: ShardDesc, tensor: Tensor, suffix: str | None
-                     ) -> list[slices.Entry]:
+                     ) -> list[Entry]:
         lo = target.global_offset
         hi = tuple(o + n for o, n in zip(lo, target.local_shape))
         if suffix not in BETA_POW_SUFFIXES and len(lo) != len(tensor.shape):
@@ -167,7 +208,8 @@ class Planner:
                 f"destination {_describe(target)} has {len(lo)} dimensions, but the program "
                 f"makes it with {len(tensor.shape)} (shape {list(tensor.shape)})")
         if suffix in BETA_POW_SUFFIXES:
-            found = [k for k in dict.fromkeys(tensor.keys[p.slot] for p in tensor.layout.pieces)
+            found = [k for k in dict.fromkeys(tensor.keys[p.slot]
+                                              for p in tensor.piece_map.pieces)
                      if k not in self.state.removed]
             if not found:
                 return []
@@ -176,30 +218,32 @@ class Planner:
                               f"({', '.join(found)}); its accumulator is copied from "
                               f"'{found[0]}'")
             slot = tensor.keys.index(found[0])
-            return [slices.Entry(slot, lo, hi, lo, hi, (), None)]
-        entries = slices.intersect(tensor.layout, lo, hi)
+            return [Entry(slot, lo, hi, lo, hi, (), None)]
+        entries = symbolic.intersect(tensor.piece_map, lo, hi)
         removed = self.state.removed
         if removed:
             keys = tensor.keys
             entries = [e for e in entries if keys[e.slot] not in removed]
         return entries
 
-    def answer(self, target: ShardDesc) -> list[Entry] | None:
-        """The pieces that fill ``target``; None for a destination declared with `_ -> X`."""
+    def answer(self, target: ShardDesc) -> Answer | None:
+        """The pieces that fill ``target``, with the source keys they read; None for a
+        destination declared with `_ -> X`."""
         tensor = self.tensor_for(target.key)
         if tensor is None:
             return None
         suffix = split_optimizer_suffix(target.key)[1] or ""
         keys = tensor.keys
-        return [Entry(e.target_lo, e.target_hi, keys[e.slot] + suffix, e.source_lo,
-                      e.source_hi, e.ops, e.order)
+        return [(keys[e.slot] + suffix, e)
                 for e in self._raw_entries(target, tensor, suffix or None)]
 
     # -- validation ----------------------------------------------------------------------
-    def check(self, target: ShardDesc, tensor: Tensor, entries: Sequence[Entry]) -> None:
+    def check(self, target: ShardDesc, answer: Answer) -> None:
         """Refuse what would leave wrong bytes in ``target`` (spec 0.3)."""
-        self._check(target, tensor, [(e.source_key, e.ops) for e in entries],
-                    [(e.target_lo, e.target_hi, e.source_key) for e in entries])
+        tensor = self.tensor_for(target.key)
+        assert tensor is not None, "a destination declared with `_ -> X` has no answer"
+        self._check(target, tensor, [(key, e.ops) for key, e in answer],
+                    [(e.target_lo, e.target_hi, key) for key, e in answer])
 
     def _check(self, target: ShardDesc, tensor: Tensor, reads, boxes) -> None:
         _, suffix = split_optimizer_suffix(target.key)
@@ -221,7 +265,7 @@ class Planner:
                 raise ValidationError(
                     f"destination {_describe(target)} needs '{source_key}', which the "
                     "source does not have", self._writer_span(target), hint=hint)
-            produced = result_dtype(ops, shards[0].dtype)
+            produced = dtype_after(ops, shards[0].dtype)
             if target.dtype is not None and produced is not None and produced != target.dtype:
                 how = "is cast to" if any(isinstance(op, str) for op in ops) else "is"
                 raise ValidationError(
@@ -267,11 +311,11 @@ class Planner:
         if shards is not None:
             return shards
         listed = self.ctx.source[key]
-        layout = self.ctx.source_layouts[key]
-        if layout in self._tilings:
-            positions = self._tilings[layout]
+        sharding = self.ctx.source_shardings[key]
+        if sharding in self._distinct:
+            positions = self._distinct[sharding]
         else:
-            positions = self._tilings[layout] = _distinct_positions(key, listed)
+            positions = self._distinct[sharding] = _distinct_positions(key, listed)
         distinct = listed if positions is None else [listed[i] for i in positions]
         self._source_shards[key] = distinct
         return distinct
@@ -291,43 +335,23 @@ class Planner:
         return tuple(steps)
 
     # -- the plan ------------------------------------------------------------------------
-    def targets(self) -> list[ShardDesc]:
-        if self.ctx.destination is not None:
-            return [shard for shards in self.ctx.destination.values() for shard in shards]
-        return [ShardDesc.full(name, tensor.shape, self.real_dtype(name, tensor))
-                for name, tensor in sorted(self.state.outputs.items()) if tensor is not None]
-
-    def real_dtype(self, name: str, tensor: Tensor) -> str | None:
-        """Without a destination, an output's dtype is the one its casts produce (spec 7.2)."""
-        last = set()
-        for piece in tensor.layout.pieces:
-            casts = [op for op in piece.ops if isinstance(op, str) and op in CAST_TARGETS]
-            if casts:
-                last.add(casts[-1])
-        if len(last) > 1:
-            raise ValidationError(f"the pieces of output '{name}' are cast to different dtypes "
-                                  f"({', '.join(sorted(last))})",
-                                  hint="Cast the whole tensor after assembling it.")
-        return last.pop() if last else tensor.dtype
-
     def plan(self, targets: Sequence[ShardDesc] | None = None) -> Plan:
         """Copies for every destination shard (or for ``targets``: any boxes of outputs).
 
         Shards are taken a key at a time: a key's copies are remembered under its tensor's
-        layout, its shards' boxes and its sources' layouts, so the thousands of keys a
-        template makes alike are worked out once and only renamed."""
-        destinations = self.targets() if targets is None else list(targets)
+        piece map, its shards' sharding and its sources' (``_key_memo``), so the thousands
+        of keys a template makes alike are worked out once and only renamed."""
+        destinations = (destination_shards(self.state, self.ctx) if targets is None
+                        else list(targets))
         source_index = _SourceIndex(self.source_shards)
         copies = CopyTable()
         untouched: list[int] = []
         removed = self.state.removed
         outputs = self.state.outputs
-        source_layouts = self.ctx.source_layouts.get
-        destination_layouts = self.ctx.destination_layouts
-        # planning the declared destination, each key's shards are one run, and its layout
-        # id stands for their boxes
+        source_shardings = self.ctx.source_shardings.get
+        # planning the declared destination, each key's shards are one run, and their
+        # sharding number is known; other targets are numbered as they come
         declared = self.ctx.destination if targets is None else None
-        whole_keys = declared is not None
         runs = ([(key, len(shards)) for key, shards in declared.items() if shards]
                 if declared is not None else
                 [(key, len(list(run))) for key, run in itertools.groupby(destinations,
@@ -345,15 +369,15 @@ class Planner:
             shards = destinations[start:stop]
             # which slots read the same key: its reads are grouped by key in the memo
             same = None if len(read_keys) == 1 else tuple(map(read_keys.index, read_keys))
-            memo_key = (id(tensor.layout), suffix, tuple(map(source_layouts, read_keys)),
-                        destination_layouts[key] if whole_keys else
-                        tuple([(t.global_offset, t.local_shape, t.global_shape, t.dtype)
-                               for t in shards]), same)
-            memo = None if removed else self._recipe_memo.get(memo_key)
+            sharding = (self.ctx.destination_shardings[key] if declared is not None
+                        else self.ctx.shardings.number(shards))
+            memo_key = (tensor.piece_map, suffix, tuple(map(source_shardings, read_keys)),
+                        sharding, same)
+            memo = None if removed else self._key_memo.get(memo_key)
             if memo is None:
                 memo = self._key_recipes(shards, tensor, suffix, same)
                 if not removed:
-                    self._recipe_memo[memo_key] = memo
+                    self._key_memo[memo_key] = memo
             reads, recipes = memo
             if len(reads) == 1:
                 slot, positions = reads[0]
@@ -412,18 +436,18 @@ class Planner:
         if not ops:
             return ()
         key = (ops, source_dtype, destination_dtype)
-        casts = self._cast_memo.get(key)
+        casts = self._casts_memo.get(key)
         if casts is None:
-            casts = self._cast_memo[key] = self.lower_casts(ops, source_dtype,
-                                                            destination_dtype)
+            casts = self._casts_memo[key] = self.lower_casts(ops, source_dtype,
+                                                             destination_dtype)
         return casts
 
-    def _physical(self, entry: slices.Entry, key: str, shards: list[ShardDesc]
-                  ) -> list[_Physical]:
-        """The reads of ``entry`` from the shards of its source key (remembered per layout
-        of the source key, since models repeat them)."""
-        memo_key = (entry.source_lo, entry.source_hi, entry.order, self.ctx.source_layouts[key])
-        result = self._physical_memo.get(memo_key)
+    def _physical(self, entry: Entry, key: str, shards: list[ShardDesc]) -> list[_Physical]:
+        """The reads of ``entry`` from the shards of its source key (remembered per
+        sharding of the source key, since models repeat them)."""
+        memo_key = (entry.source_lo, entry.source_hi, entry.order,
+                    self.ctx.source_shardings[key])
+        result = self._reads_memo.get(memo_key)
         if result is not None:
             return result
         result = []
@@ -440,7 +464,7 @@ class Planner:
                 size = [size[a] for a in entry.order]
             result.append(_Physical(position, tuple(delta), tuple(size),
                                     tuple(a - o for a, o in zip(lo, shard.global_offset))))
-        self._physical_memo[memo_key] = result
+        self._reads_memo[memo_key] = result
         return result
 
     def _note_unused_sources(self, used: set[str]) -> None:

@@ -3,59 +3,24 @@
 A symbolic tensor is an ordered list of pieces, each saying "this box of me is that box of a
 source key, permuted and cast like so". Splits, concats, permutes, casts, renames and
 aliases only move boxes around, so the whole program costs time in the number of pieces,
-not in bytes. The result (every destination key's tensor) is what planning queries.
+not in bytes. The result, every destination key's tensor (SymbolicTensors), is what the
+plan pass reads.
 """
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from aoa import slices
+from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS
 from aoa.errors import ShapeError, ValidationError
-from aoa.ir import NOTHING, Attribute, Name, Program, Statement
-from aoa.layout import BETA_POW_SUFFIXES, split_optimizer_suffix
+from aoa.ir import NOTHING, Attribute, Name, Program, SharedInstances, Statement
+from aoa.layout import split_optimizer_suffix
 from aoa.passes.context import CompileContext
-from aoa.slices import Permute
+from aoa.symbolic import InputTensors, Permute, SymbolicTensors, Tensor
 
-
-@dataclass(slots=True)
-class Tensor:
-    """A symbolic tensor: a shared layout plus the source keys its slots stand for."""
-
-    layout: slices.Layout
-    keys: tuple[str, ...]
-    dtype: str | None  # the source dtype, as Paddle records it (casts do not change it)
-    uses: int = 0
-    name: str = ""
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.layout.shape
-
-    def pieces(self) -> list[tuple[str, slices.Piece]]:
-        return [(self.keys[p.slot], p) for p in self.layout.pieces]
-
-    def source_keys(self) -> set[str]:
-        return {self.keys[p.slot] for p in self.layout.pieces}
-
-
-@dataclass
-class SymbolicState:
-    """What shape propagation leaves for planning."""
-
-    inputs: InputTensors
-    outputs: dict[str, Tensor | None]
-    #: every name's latest binding (intermediates)
-    bound: dict[str, Tensor] = field(default_factory=dict)
-    #: `X -> _`: source key -> the statement that deleted it (removal is global, Q27)
-    removed: dict[str, Statement] = field(default_factory=dict)
-    #: `_ -> Y`: destinations that get no bytes
-    added: set[str] = field(default_factory=set)
-    #: destination key -> the statement that wrote it last (for error messages)
-    writers: dict[str, Statement] = field(default_factory=dict)
+NAME = "propagate_shapes"
 
 
 def _error(cls, message: str, span, statement: Statement | None, hint: str | None = None):
@@ -65,8 +30,8 @@ def _error(cls, message: str, span, statement: Statement | None, hint: str | Non
 
 def split(tensor: Tensor, axis: int, parts: int) -> list[Tensor]:
     tensor.uses += parts
-    return [Tensor(layout, tensor.keys, tensor.dtype)
-            for layout in slices.split(tensor.layout, axis, parts)]
+    return [Tensor(piece_map, tensor.keys, tensor.dtype)
+            for piece_map in symbolic.split(tensor.piece_map, axis, parts)]
 
 
 def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
@@ -76,88 +41,31 @@ def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
         offsets.append(len(keys))
         keys += tensor.keys
         tensor.uses += 1
-    return Tensor(slices.concat([t.layout for t in tensors], offsets, axis), keys,
+    return Tensor(symbolic.concat([t.piece_map for t in tensors], offsets, axis), keys,
                   tensors[0].dtype)
 
 
 def transpose(tensor: Tensor, permute: Permute) -> Tensor:
     tensor.uses += 1
-    return Tensor(slices.transpose(tensor.layout, permute), tensor.keys, tensor.dtype)
+    return Tensor(symbolic.transpose(tensor.piece_map, permute), tensor.keys, tensor.dtype)
 
 
 def cast(tensor: Tensor, dtype: str) -> Tensor:
     tensor.uses += 1
-    return Tensor(slices.cast(tensor.layout, dtype), tensor.keys, tensor.dtype)
+    return Tensor(symbolic.cast(tensor.piece_map, dtype), tensor.keys, tensor.dtype)
 
 
 def identity(tensor: Tensor) -> Tensor:
     tensor.uses += 1
-    return Tensor(tensor.layout, tensor.keys, tensor.dtype)
-
-
-class InputTensors:
-    """One tensor per model-state key of the source (spec 6.1, quirk Q15 included), made
-    when first asked for: the instances share_instances set aside never ask for theirs.
-
-    A key the source holds itself gets its own shape and dtype; any other question (a key
-    that only optimizer states stand for, all the items) makes them all in Paddle's order,
-    keeping the tensors already handed out."""
-
-    def __init__(self, ctx: CompileContext) -> None:
-        self._source = ctx.source
-        self._made: dict[str, Tensor] = {}
-        self._layouts: dict[tuple[int, ...], slices.Layout] = {}
-        self._complete = False
-
-    def get(self, key: str) -> Tensor | None:
-        tensor = self._made.get(key)
-        if tensor is None:
-            shards = self._source.get(key)
-            if shards and split_optimizer_suffix(key)[1] is None:
-                tensor = self._made[key] = self._make(key, shards[0].global_shape,
-                                                      shards[0].dtype)
-            elif not self._complete:
-                return self._all().get(key)
-        return tensor
-
-    def __contains__(self, key: str) -> bool:
-        return self.get(key) is not None
-
-    def __getitem__(self, key: str) -> Tensor:
-        tensor = self.get(key)
-        if tensor is None:
-            raise KeyError(key)
-        return tensor
-
-    def items(self):
-        return self._all().items()
-
-    def _make(self, key: str, shape, dtype: str | None) -> Tensor:
-        return Tensor(slices.whole(tuple(shape), self._layouts), (key,), dtype, name=key)
-
-    def _all(self) -> dict[str, Tensor]:
-        if not self._complete:
-            made, self._made = self._made, {}
-            dtype = None
-            for key in sorted(self._source):
-                shards = self._source[key]
-                model_key, suffix = split_optimizer_suffix(key)
-                if suffix is None:
-                    dtype = shards[0].dtype
-                if model_key in self._made or suffix in BETA_POW_SUFFIXES:
-                    continue
-                self._made[model_key] = made.get(model_key) or self._make(
-                    model_key, shards[0].global_shape, dtype)
-            self._complete = True
-        return self._made
+    return Tensor(tensor.piece_map, tensor.keys, tensor.dtype)
 
 
 class _Machine:
-    def __init__(self, ctx: CompileContext) -> None:
+    def __init__(self, program: Program, ctx: CompileContext) -> None:
         self.ctx = ctx
         self.reverse = ctx.reverse
-        self.inputs = InputTensors(ctx)
-        self.state = SymbolicState(self.inputs, {})
+        self.inputs = InputTensors(ctx.source)
+        self.state = SymbolicTensors(program, self.inputs, {})
         self.bound = self.state.bound
         self.destination_keys = ctx.destination_keys
 
@@ -200,7 +108,8 @@ class _Machine:
                          hint=f"Axes count from 0 to {len(tensor.shape) - 1}.")
         return value
 
-    def run(self, program: Program) -> SymbolicState:
+    def run(self) -> SymbolicTensors:
+        program = self.state.program
         statements = program.statements[::-1] if self.reverse else program.statements
         for statement in statements:
             self.execute(statement)
@@ -330,7 +239,7 @@ class _Machine:
         return Permute(axes, text)
 
 
-def select_outputs(state: SymbolicState, ctx: CompileContext) -> None:
+def select_outputs(state: SymbolicTensors, ctx: CompileContext) -> None:
     """Which tensor each destination key gets (spec 6.6)."""
     outputs = state.outputs
     if ctx.destination is not None:
@@ -354,48 +263,45 @@ def select_outputs(state: SymbolicState, ctx: CompileContext) -> None:
         state.outputs = selected
         return
     # No destination: every tensor nobody consumed is an output, inputs first.
-    selected = {name: Tensor(t.layout, t.keys, t.dtype, name=name)
+    selected = {name: Tensor(t.piece_map, t.keys, t.dtype, name=name)
                 for name, t in state.inputs.items() if t.uses == 0 and name not in state.removed}
     taken = {id(state.inputs[name]) for name in selected}
     for name, tensor in state.bound.items():
         if tensor.uses == 0 and name not in selected and id(tensor) not in taken:
             taken.add(id(tensor))
-            selected[name] = Tensor(tensor.layout, tensor.keys, tensor.dtype, name=name)
+            selected[name] = Tensor(tensor.piece_map, tensor.keys, tensor.dtype, name=name)
     state.outputs = selected
 
 
-def share_outputs(state: SymbolicState, ctx: CompileContext) -> None:
+def share_outputs(state: SymbolicTensors, shared: Sequence[SharedInstances],
+                  ctx: CompileContext) -> None:
     """The destination keys of instances set aside by share_instances: the kept instance's
     tensors with the source keys renamed, read for read (the kept instance's slots and
     what they read are worked out once for all its followers)."""
     outputs, writers, destination_keys = state.outputs, state.writers, ctx.destination_keys
-    patterns: dict[int, list[tuple[int, Tensor, list[int], bool]]] = {}
-    for instance in ctx.facts.get("shared", ()):
-        kept = instance.kept
-        pattern = patterns.get(id(kept))
-        if pattern is None:
-            reads = [n.base for n in kept.left]
-            # (position of a write, its tensor, the read each slot of it comes from: a
-            # position in the reads, or past them one in the key itself, kept as it is)
-            pattern = patterns[id(kept)] = [
-                (j, tensor, [reads.index(k) if k in reads else len(reads) + slot
-                             for slot, k in enumerate(tensor.keys)],
-                 not set(tensor.keys) <= set(reads))
-                for j, name in enumerate(kept.right)
-                if (tensor := outputs.get(name.text)) is not None]
-        statement, reads = instance.statement, instance.reads
-        for j, tensor, slots, foreign in pattern:
-            own_key = statement.right[j].text
-            if own_key in destination_keys:
-                names = reads + tensor.keys if foreign else reads
-                outputs[own_key] = Tensor(tensor.layout, tuple([names[i] for i in slots]),
-                                          tensor.dtype, name=own_key)
-                writers[own_key] = statement
+    for group in shared:
+        kept = group.kept
+        reads = [n.base for n in kept.left]
+        # (position of a write, its tensor, the read each slot of it comes from: a
+        # position in the reads, or past them one in the key itself, kept as it is)
+        pattern = [(j, tensor, [reads.index(k) if k in reads else len(reads) + slot
+                                for slot, k in enumerate(tensor.keys)],
+                    not set(tensor.keys) <= set(reads))
+                   for j, name in enumerate(kept.right)
+                   if (tensor := outputs.get(name.text)) is not None]
+        for statement, own_reads in group.followers:
+            for j, tensor, slots, foreign in pattern:
+                own_key = statement.right[j].text
+                if own_key in destination_keys:
+                    names = own_reads + tensor.keys if foreign else own_reads
+                    outputs[own_key] = Tensor(tensor.piece_map,
+                                              tuple([names[i] for i in slots]), tensor.dtype,
+                                              name=own_key)
+                    writers[own_key] = statement
 
 
-def run(program: Program, ctx: CompileContext) -> Program:
-    state = _Machine(ctx).run(program)
-    share_outputs(state, ctx)
-    select_outputs(state, ctx)
-    ctx.facts["symbolic"] = state
-    return program
+def run(program: Program, ctx: CompileContext) -> SymbolicTensors:
+    tensors = _Machine(program, ctx).run()
+    share_outputs(tensors, program.shared, ctx)
+    select_outputs(tensors, ctx)
+    return tensors

@@ -11,11 +11,17 @@ followed both ways (the ways must agree).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aoa.errors import ChainError
 from aoa.ir import NOTHING, Program, Statement
 from aoa.layout import shard_count
 from aoa.passes.context import CompileContext
+
+if TYPE_CHECKING:
+    from aoa.printer import Printer
+
+NAME = "resolve_chains"
 
 
 @dataclass(frozen=True)
@@ -39,8 +45,6 @@ class DataFlow:
     inputs: list[list[int]] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     final: dict[str, int] = field(default_factory=dict)
-    #: written statement -> its position in execution order
-    position: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, program: Program, reverse: bool) -> DataFlow:
@@ -49,7 +53,6 @@ class DataFlow:
         flow = cls([written[i] for i in order], reverse)
         current: dict[str, int] = {}
         for executed, index in enumerate(order):
-            flow.position[id(written[index])] = executed
             statement = written[index]
             reads, writes = ((statement.right, statement.left) if reverse
                              else (statement.left, statement.right))
@@ -72,6 +75,10 @@ class DataFlow:
             flow.outputs.append(write_nodes)
         flow.final = current
         return flow
+
+    def executed(self, index: int) -> int:
+        """The position in execution order of the statement at ``index`` in the program."""
+        return len(self.statements) - 1 - index if self.reverse else index
 
     def _new_node(self, name: str, producer: int | None) -> int:
         self.node_name.append(name)
@@ -115,14 +122,37 @@ class Chains:
         self.flow = flow
         self.ctx = ctx
 
-    def shard_count(self, statement: Statement, name: str, *, left: bool) -> int:
-        """Shards of ``name``, written on the ``left`` (or right) of ``statement``.
+    def temporaries(self) -> list[tuple[str, list[str], list[str]]]:
+        """(name, where its data comes from, where it goes) for every name a statement
+        writes and a later one reads, in execution order; a name written several times is
+        numbered (`t#2`)."""
+        flow = self.flow
+        versions: dict[str, int] = {}
+        written: list[tuple[int, str]] = []
+        for node, name in enumerate(flow.node_name):
+            if flow.producer[node] is not None:
+                versions[name] = versions.get(name, 0) + 1
+                written.append((node, f"{name}#{versions[name]}"))
+        rows = []
+        for node, label in written:
+            if not flow.consumers[node]:
+                continue
+            name = flow.node_name[node]
+            rows.append((label if versions[name] > 1 else name,
+                         _ends(flow.upstream(node)),
+                         _ends(flow.downstream(node, self.ctx.destination_keys))))
+        return rows
+
+    def shard_count(self, index: int, name: str, *, left: bool) -> int:
+        """Shards of ``name``, written on the ``left`` (or right) of the statement at
+        ``index`` in the program.
 
         A name the statement reads is counted where its data comes from (the source
         checkpoint), one it writes where its data goes (the destination); in reverse mode
         the right side is read and the left written."""
         flow = self.flow
-        executed = flow.position[id(statement)]
+        executed = flow.executed(index)
+        statement = flow.statements[executed]
         reads = left != flow.reverse
         info: dict | None
         if reads:
@@ -173,6 +203,37 @@ class Chains:
         return 1
 
 
-def run(program: Program, ctx: CompileContext) -> Program:
-    ctx.facts["chains"] = Chains(DataFlow.build(program, ctx.reverse), ctx)
-    return program
+def _ends(ends: list[Terminal | Statement]) -> list[str]:
+    """How `temporaries` names the ends of a walk: a key, a step with several names on the
+    other side, or nothing known."""
+    texts = []
+    for end in ends:
+        if isinstance(end, Statement):
+            where = end.span.location() if end.span else "?"
+            text = f"several names at {where}"
+        else:
+            text = "nothing known" if end.key is None else f"'{end.key}'"
+        if text not in texts:
+            texts.append(text)
+    return texts
+
+
+@dataclass(frozen=True)
+class ChainedProgram:
+    """A program with its chains: what expand_fused reads to lay out the fused macros."""
+
+    program: Program
+    chains: Chains
+
+    def print(self, printer: Printer) -> None:
+        """The program, then each temporary with the keys its data comes from and goes to."""
+        printer.print_program(self.program)
+        rows = self.chains.temporaries()
+        if rows:
+            printer.line("# chains: where each temporary's data comes from and goes")
+            for name, sources, destinations in rows:
+                printer.line(f"{name}: from {', '.join(sources)}; to {', '.join(destinations)}")
+
+
+def run(program: Program, ctx: CompileContext) -> ChainedProgram:
+    return ChainedProgram(program, Chains(DataFlow.build(program, ctx.reverse), ctx))

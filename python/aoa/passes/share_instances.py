@@ -15,9 +15,8 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Sequence
-from typing import NamedTuple
 
-from aoa.ir import NOTHING, Program, Statement
+from aoa.ir import NOTHING, Follower, Program, SharedInstances, Statement
 from aoa.layout import (
     OPTIMIZER_SUFFIXES,
     SHARD_COUNT_SUFFIXES,
@@ -26,36 +25,28 @@ from aoa.layout import (
 )
 from aoa.passes.context import CompileContext
 
-
-class SharedInstance(NamedTuple):
-    """``statement`` is compiled as ``kept``: kept names map position by position to its own
-    (a NamedTuple: a big model has tens of thousands). ``reads`` are its read keys, the
-    names left of `->` without `^T`."""
-
-    statement: Statement
-    kept: Statement
-    reads: tuple[str, ...]
+NAME = "share_instances"
 
 
-def _signatures(info: dict[str, list[ShardDesc]] | None, layouts: dict[str, int]) -> dict:
-    """Per key, what stands for the layouts of it and its optimizer states: its layout id,
-    paired with its states' ids where the checkpoint holds states of it."""
+def _signatures(info: dict[str, list[ShardDesc]] | None, shardings: dict[str, int]) -> dict:
+    """Per key, what stands for the shardings of it and its optimizer states: its sharding
+    number, paired with its states' numbers where the checkpoint holds states of it."""
     states: dict[str, list[tuple[str, int]]] = {}
     for key in info or ():
         if key.endswith(OPTIMIZER_SUFFIXES):
             model_key, suffix = split_optimizer_suffix(key)
             if suffix in SHARD_COUNT_SUFFIXES:
-                states.setdefault(model_key, []).append((suffix, layouts[key]))
+                states.setdefault(model_key, []).append((suffix, shardings[key]))
     if not states:
-        return layouts
-    signatures: dict[str, object] = dict(layouts)
+        return shardings
+    signatures: dict[str, object] = dict(shardings)
     for model_key, found in states.items():
-        signatures[model_key] = (layouts.get(model_key), tuple(sorted(found)))
+        signatures[model_key] = (shardings.get(model_key), tuple(sorted(found)))
     return signatures
 
 
 def run(program: Program, ctx: CompileContext) -> Program:
-    ctx.facts["shared"] = []
+    """The program with the instances that follow a kept one moved to ``Program.shared``."""
     if ctx.destination is None or ctx.reverse:
         return program
     statements = program.statements
@@ -68,10 +59,11 @@ def run(program: Program, ctx: CompileContext) -> Program:
     sharing = _Sharing(ctx, reads, writes)
     for start, stop in _runs_of_one_origin(statements):
         sharing.take(statements[start:stop], bases[start:stop], texts[start:stop])
-    ctx.facts["shared"] = sharing.shared
-    if not sharing.shared:
+    shared = tuple(SharedInstances(sharing.kept[position], tuple(followers))
+                   for position, followers in sharing.followers.items())
+    if not shared:
         return program
-    return Program(tuple(sharing.kept))
+    return Program(tuple(sharing.kept), program.shared + shared)
 
 
 def _runs_of_one_origin(statements: Sequence[Statement]) -> list[tuple[int, int]]:
@@ -93,14 +85,17 @@ class _Sharing:
     def __init__(self, ctx: CompileContext, reads: Counter, writes: Counter) -> None:
         self.reads, self.writes = reads, writes
         self.source_keys = ctx.source_keys
-        self.source_signature = _signatures(ctx.source, ctx.source_layouts).get
-        self.destination_signature = _signatures(ctx.destination, ctx.destination_layouts).get
+        self.source_signature = _signatures(ctx.source, ctx.source_shardings).get
+        self.destination_signature = _signatures(ctx.destination,
+                                                 ctx.destination_shardings).get
         self.written_once = {name for name, count in writes.items()
                              if count == 1 and not name.endswith("^T")}
-        #: what instances have alike -> the signature of their keys -> the kept one
-        self.kept_by_signature: dict[tuple, dict[tuple, Statement]] = {}
+        #: what instances have alike -> the signature of their keys -> the kept one's
+        #: position in ``kept``
+        self.kept_by_signature: dict[tuple, dict[tuple, int]] = {}
         self.kept: list[Statement] = []
-        self.shared: list[SharedInstance] = []
+        #: position of a kept statement in ``kept`` -> the instances that follow it
+        self.followers: dict[int, list[Follower]] = {}
 
     def take(self, run: Sequence[Statement], bases: Sequence[tuple[str, ...]],
              texts: Sequence[tuple[str, ...]]) -> None:
@@ -135,9 +130,10 @@ class _Sharing:
         """Independent instances of one expansion: each is kept, or follows the first kept
         one whose keys are laid out alike."""
         first = run[0]
-        # Instances of one expansion share their attribute tuple object and the written
-        # statement they came from, and so their counts of names and where ^T is
-        alike = (id(first.attributes), id(first.written()), len(first.left), len(first.right),
+        # Instances of one expansion share their attributes and the written statement they
+        # came from, and so their counts of names and where ^T is (compared by value: equal
+        # written statements expand alike)
+        alike = (first.attributes, first.written(), len(first.left), len(first.right),
                  tuple([len(n.text) != len(b) for n, b in zip(first.left, bases[0])]))
         columns = [list(map(self.source_signature, names)) for names in zip(*bases)]
         columns += [list(map(self.destination_signature, names)) for names in zip(*texts)]
@@ -150,10 +146,12 @@ class _Sharing:
         for s, reads, signature in zip(run, bases, zip(*columns)):
             kept = kept_by_signature.get(signature)
             if kept is None:
-                kept_by_signature[signature] = s
+                kept_by_signature[signature] = len(self.kept)
                 self.kept.append(s)
+            elif kept in self.followers:
+                self.followers[kept].append(Follower(s, reads))
             else:
-                self.shared.append(SharedInstance(s, kept, reads))
+                self.followers[kept] = [Follower(s, reads)]
 
 
 def _independent(s: Statement, own_reads: tuple[str, ...], reads: Counter, writes: Counter,

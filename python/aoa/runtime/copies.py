@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aoa.dtypes import is_known
+from aoa.errors import ExecutionError
+
 
 @dataclass(frozen=True)
 class Copy:
@@ -38,3 +41,19 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
+
+
+def check_fields(index: int, copy: Copy) -> None:
+    """Raise ExecutionError unless the dtypes are known and there is one stride per axis
+    (what both backends check before they read a copy's numbers)."""
+    for dtype in (copy.source_dtype, *copy.via, copy.destination_dtype):
+        if not is_known(dtype):
+            raise ExecutionError(f"copy {index}: unknown dtype {dtype!r}")
+    for role, strides in (
+        ("source", copy.source_strides), ("destination", copy.destination_strides)
+    ):
+        if len(strides) != len(copy.shape):
+            raise ExecutionError(
+                f"copy {index}: shape {tuple(copy.shape)} and {role} strides {tuple(strides)} "
+                "differ in length"
+            )

@@ -6,23 +6,18 @@ with the GIL released, on ``threads`` threads; this module only packs and choose
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 import aoa._core as _core
 from aoa.errors import ExecutionError, UsageError
-from aoa.runtime.copies import Copy
-from aoa.runtime.numpy_backend import check_fields
+from aoa.runtime.copies import Copy, check_fields
+from aoa.runtime.executor import usable_cpus
 
-#: Paddle dtype name -> the kernel's code (enum aoa::Dtype in cpp/casts.hpp).
-DTYPE_CODES: dict[str, int] = {
-    "float64": 0, "float32": 1, "float16": 2, "bfloat16": 3,
-    "float8_e4m3fn": 4, "float8_e5m2": 5,
-    "int64": 6, "int32": 7, "int16": 8, "int8": 9,
-    "uint64": 10, "uint32": 11, "uint16": 12, "uint8": 13, "bool": 14,
-}
+#: Paddle dtype name -> the kernel's code (enum aoa::Dtype in cpp/casts.hpp), as the
+#: kernel itself says.
+DTYPE_CODES: dict[str, int] = dict(_core.DTYPE_CODES)
 
 
 def execute_copies(
@@ -37,7 +32,7 @@ def execute_copies(
     there is too little work to share.
     """
     if threads is None:
-        threads = _usable_cpus()
+        threads = usable_cpus()
     if threads < 1:
         raise UsageError(f"threads must be at least 1, not {threads}")
     table = pack(copies)
@@ -69,9 +64,3 @@ def _fits_int64(copy: Copy) -> bool:
     numbers = (copy.source, copy.source_offset, copy.destination, copy.destination_offset,
                *copy.shape, *copy.source_strides, *copy.destination_strides)
     return all(-(2**63) <= n < 2**63 for n in numbers)
-
-
-def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1

@@ -14,8 +14,7 @@ and a stand-in with the same methods runs this module's logic on a machine with 
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from math import prod
@@ -28,6 +27,8 @@ from aoa.layout import ShardDesc
 from aoa.plan import Plan, PlannedCopy
 from aoa.runtime.buffers import DeviceBuffer
 from aoa.runtime.executor import Buffer, PlanExecutor
+from aoa.runtime.lower import cut_rows, rows_of
+from aoa.storage.formats import Piece
 
 #: Bytes of one pinned staging buffer (there are two); a larger single row gets its size.
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -108,40 +109,13 @@ def staged_plan(plan: Plan, targets: Mapping[int, DeviceBuffer], staging_bytes: 
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             slab_index = len(slab_descs)
-            slab_descs.append(_rows_of(shard, start, stop, staged))
-            slab_copies += [_moved(c, slab_index) for c in _cut(copies, start, stop)]
+            slab_descs.append(rows_of(shard, start, stop, staged))
+            slab_copies += [_moved(c, slab_index) for c in cut_rows(copies, start, stop)]
             count = (stop - start) * row_items
             slabs.append(Slab(index, (start, stop), staged,
                               target.pointer + start * row_items * itemsize(dtype),
                               count * itemsize(staged), count * itemsize(dtype)))
     return Plan(plan.sources, slab_descs, slab_copies), slabs
-
-
-def _rows_of(shard: ShardDesc, start: int, stop: int, dtype: str) -> ShardDesc:
-    if not shard.local_shape:
-        return dataclasses.replace(shard, dtype=dtype)
-    offset = (shard.global_offset[0] + start, *shard.global_offset[1:])
-    return ShardDesc(shard.key, (stop - start, *shard.local_shape[1:]), shard.global_shape,
-                     offset, dtype)
-
-
-def _cut(copies: Sequence[PlannedCopy], start: int, stop: int) -> Iterator[PlannedCopy]:
-    """The parts of ``copies`` that write rows [start, stop) of their destination, with
-    destination boxes relative to ``start``."""
-    for c in copies:
-        if not c.shape:
-            yield c
-            continue
-        low = max(start, c.destination_start[0])
-        high = min(stop, c.destination_start[0] + c.shape[0])
-        if low >= high:
-            continue
-        axis = c.order[0] if c.order is not None else 0  # the source axis under axis 0
-        source_start = list(c.source_start)
-        source_start[axis] += low - c.destination_start[0]
-        yield PlannedCopy(c.destination, (low - start, *c.destination_start[1:]),
-                          (high - low, *c.shape[1:]), c.source, tuple(source_start), c.order,
-                          c.casts)
 
 
 def _moved(c: PlannedCopy, destination: int) -> PlannedCopy:
@@ -202,7 +176,7 @@ def _fill_one_device(plan, targets, source_buffer, backend, threads, progress,
             transfer.wait(events[slot])  # the GPU is done reading this buffer
         host = buffers[slot]
         views = [host[offset:offset + slabs[i].nbytes] for i, offset in batch]
-        executor.fill([i for i, _ in batch], views)
+        executor.fill([Piece(i, view) for (i, _), view in zip(batch, views)])
         for (i, offset), view in zip(batch, views):
             slab = slabs[i]
             wide = plan.destinations[slab.shard].dtype or "float32"

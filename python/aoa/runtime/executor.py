@@ -1,23 +1,35 @@
-"""Execute a plan, a group of destination shards at a time, into buffers the caller gives.
+"""Execute a plan, a group of destination pieces at a time, into buffers the caller gives.
 
 The executor owns the choice of backend and the bookkeeping between a plan's global shard
-indices and the buffers at hand: the caller (a checkpoint writer, `aoa.load`) decides where
-each destination shard's bytes live and when, so memory stays bounded by what it holds.
+indices and the buffers at hand: the caller (a destination format's writer, `aoa.load`, the
+CUDA staging) decides where each destination shard's bytes live and when, so memory stays
+bounded by what it holds. A piece is a whole destination shard or a range of its rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 from aoa.plan import Plan, PlannedCopy
+from aoa.runtime.copies import Copy
+from aoa.runtime.lower import cut_rows, lower, rows_of
+from aoa.storage.formats import Piece
 
 Buffer = object
 #: the backends run a list of runtime Copy records: (copies, sources, destinations, threads)
 BACKENDS = ("cpp", "numpy")
 
 
-def _run(backend: str, copies, sources, destinations, threads: int | None) -> None:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _run(backend: str, copies: Sequence[Copy], sources: Sequence[Buffer],
+         destinations: Sequence[Buffer], threads: int | None) -> None:
     if backend == "numpy":
         from aoa.runtime.numpy_backend import execute_copies as run_numpy
 
@@ -50,27 +62,35 @@ class PlanExecutor:
         self._sources: dict[int, Buffer] = {}
         self._by_destination = plan.copies_by_destination()
 
-    def fill(self, destinations: Sequence[int], buffers: Sequence[Buffer]) -> None:
-        """Run every copy into ``plan.destinations[destinations[k]]``, held by ``buffers[k]``.
+    def fill(self, pieces: Sequence[Piece]) -> None:
+        """Run every copy into the pieces (all of a destination shard, or its rows
+        ``piece.rows``): a `Fill` for a destination format's writer.
 
         Regions no copy writes are left as they are (a fresh file or array reads zeros)."""
-        local = {index: k for k, index in enumerate(destinations)}
-        planned: list[PlannedCopy] = [c for index in destinations
-                                      for c in self._by_destination[index]]
-        if not planned:
-            return
-        used = sorted({c.source for c in planned})
-        source_slot = {index: k for k, index in enumerate(used)}
-        sources = [self._source(index) for index in used]
-        copies = [dataclasses.replace(c, source=source_slot[c.source],
-                                      destination=local[c.destination])
-                  for c in self.plan.kernel_copies(planned)]
-        _run(self.backend, copies, sources, buffers, self.threads)
-        if self._release is not None:
-            for index in used:
-                self._release(index)
+        plan = self.plan
+        planned: list[tuple[int, PlannedCopy]] = []
+        shards = []
+        for slot, piece in enumerate(pieces):
+            shard = plan.destinations[piece.shard]
+            copies: Sequence[PlannedCopy] = self._by_destination[piece.shard]
+            if piece.rows is not None:
+                copies = list(cut_rows(copies, *piece.rows))
+                shard = rows_of(shard, *piece.rows)
+            shards.append(shard)
+            planned += [(slot, c) for c in copies]
+        if planned:
+            used = sorted({c.source for _, c in planned})
+            source_slot = {index: k for k, index in enumerate(used)}
+            sources = [self._source(index) for index in used]
+            copies_run = [lower(c, plan.sources[c.source], shards[slot],
+                                source_slot[c.source], slot) for slot, c in planned]
+            _run(self.backend, copies_run, sources, [piece.buffer for piece in pieces],
+                 self.threads)
+            if self._release is not None:
+                for index in used:
+                    self._release(index)
         if self.progress is not None:
-            self.progress(sum(self.plan.shard_bytes(i) for i in destinations))
+            self.progress(sum(shard.nbytes for shard in shards))
 
     def _source(self, index: int) -> Buffer:
         buffer = self._sources.get(index)

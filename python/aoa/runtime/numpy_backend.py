@@ -20,9 +20,9 @@ from math import prod
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from aoa.dtypes import FLOATING, is_known, itemsize, numpy_dtype
+from aoa.dtypes import FLOATING, itemsize, numpy_dtype
 from aoa.errors import ExecutionError
-from aoa.runtime.copies import Copy
+from aoa.runtime.copies import Copy, check_fields
 
 INTEGERS = frozenset({"int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"})
 _INT64_MAX = 2**63 - 1
@@ -128,21 +128,6 @@ def check_copy(
             raise refuse(
                 f"{role} region (offset {offset}, shape {shape}, strides {tuple(strides)}) "
                 f"does not fit in {role} {number} of {size} bytes"
-            )
-
-
-def check_fields(index: int, copy: Copy) -> None:
-    """Raise ExecutionError unless the dtypes are known and there is one stride per axis."""
-    for dtype in (copy.source_dtype, *copy.via, copy.destination_dtype):
-        if not is_known(dtype):
-            raise ExecutionError(f"copy {index}: unknown dtype {dtype!r}")
-    for role, strides in (
-        ("source", copy.source_strides), ("destination", copy.destination_strides)
-    ):
-        if len(strides) != len(copy.shape):
-            raise ExecutionError(
-                f"copy {index}: shape {tuple(copy.shape)} and {role} strides {tuple(strides)} "
-                "differ in length"
             )
 
 

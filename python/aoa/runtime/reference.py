@@ -27,7 +27,8 @@ def run_plan_on_arrays(plan: Plan, tensors: Mapping[str, np.ndarray]) -> list[np
             whole[_box(shard.global_offset, shard.local_shape)].astype(
                 numpy_dtype(shard.dtype), copy=False)))
     destinations = [np.zeros(d.local_shape, numpy_dtype(d.dtype)) for d in plan.destinations]
+    from aoa.runtime.lower import kernel_copies
     from aoa.runtime.numpy_backend import execute_copies
 
-    execute_copies(plan.kernel_copies(), sources, destinations)
+    execute_copies(kernel_copies(plan), sources, destinations)
     return destinations

@@ -3,7 +3,8 @@
 The format is an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the data section. The reader checks every claim the
 header makes before a byte is used, so a kernel never reads past what the file holds.
-The writer knows the header up front, so it sizes the file once, maps it, and lets the
+The writer takes the tensors as `ShardDesc` records (key, local shape, dtype) and knows the
+header up front, so it sizes the file once, maps it, and lets the
 caller's kernel write each tensor straight into the mapping: no staging copy.
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from aoa.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, numpy_dtype
 from aoa.errors import StorageError
+from aoa.layout import ShardDesc
 
 #: The reference implementation refuses headers larger than this, and so do we.
 MAX_HEADER_BYTES = 100_000_000
@@ -39,21 +41,10 @@ _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """A tensor to be written: its name in the file, dtype (Paddle name) and shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
-
-
-@dataclass(frozen=True)
 class TensorInfo:
-    """A tensor as stored: ``offset`` is where its bytes start inside the file."""
+    """A tensor as stored in one file: ``offset`` is where its bytes start inside the file.
+    (The writer takes `ShardDesc` records: a tensor is written under its key, with its
+    local shape and dtype.)"""
 
     name: str
     dtype: str
@@ -276,7 +267,7 @@ def _unmap(mapping: mmap.mmap) -> None:
         mapping.close()
 
 
-def header_bytes(tensors: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
+def header_bytes(tensors: Sequence[ShardDesc], metadata: dict[str, str] | None) -> bytes:
     """Length prefix and JSON header for ``tensors`` stored back to back in the given order,
     padded with spaces to a multiple of 8 bytes as the reference implementation does."""
     header: dict[str, Any] = {}
@@ -284,30 +275,33 @@ def header_bytes(tensors: Sequence[TensorSpec], metadata: dict[str, str] | None)
         header[_METADATA_KEY] = metadata
     offset = 0
     for spec in tensors:
-        header[spec.name] = {
-            "dtype": SAFETENSORS_NAMES[spec.dtype],
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
+        nbytes = _nbytes(spec)
+        header[spec.key] = {
+            "dtype": SAFETENSORS_NAMES[spec.dtype],  # type: ignore[index]
+            "shape": list(spec.local_shape),
+            "data_offsets": [offset, offset + nbytes],
         }
-        offset += spec.nbytes
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
+def _nbytes(spec: ShardDesc) -> int:
+    return math.prod(spec.local_shape) * itemsize(spec.dtype)  # type: ignore[arg-type]
+
+
 def _check_specs(
-    path: Path, tensors: Sequence[TensorSpec], metadata: dict[str, str] | None
+    path: Path, tensors: Sequence[ShardDesc], metadata: dict[str, str] | None
 ) -> None:
     seen: set[str] = set()
     for spec in tensors:
-        where = f"{path}: tensor '{spec.name}'"
-        if spec.name == _METADATA_KEY or spec.name in seen:
+        where = f"{path}: tensor '{spec.key}'"
+        if spec.key == _METADATA_KEY or spec.key in seen:
             raise StorageError(f"{where}: name is reserved or used twice in one file")
         if spec.dtype not in SAFETENSORS_NAMES:
             raise StorageError(f"{where}: dtype {spec.dtype!r} has no safetensors code")
-        if not all(_is_count(n) for n in spec.shape):
-            raise StorageError(f"{where}: shape {spec.shape!r} is not non-negative integers")
-        seen.add(spec.name)
+        seen.add(spec.key)
     if metadata is not None and not all(
         isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
     ):
@@ -326,7 +320,7 @@ class SafetensorsWriter:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        tensors: Sequence[TensorSpec],
+        tensors: Sequence[ShardDesc],
         metadata: dict[str, str] | None = None,
     ) -> None:
         self.path = Path(path)
@@ -336,8 +330,9 @@ class SafetensorsWriter:
         self._ranges: dict[str, tuple[int, int]] = {}
         offset = len(header)
         for spec in tensors:
-            self._ranges[spec.name] = (offset, offset + spec.nbytes)
-            offset += spec.nbytes
+            nbytes = _nbytes(spec)
+            self._ranges[spec.key] = (offset, offset + nbytes)
+            offset += nbytes
         self._committed = False
         self._views: list[memoryview] = []
         self._mapping: mmap.mmap | None = None
@@ -448,12 +443,13 @@ def _sync_folder(folder: Path) -> None:
 
 def write_safetensors(
     path: str | os.PathLike[str],
-    tensors: Sequence[TensorSpec],
+    tensors: Sequence[ShardDesc],
     metadata: dict[str, str] | None,
     fill: Callable[[dict[str, memoryview]], None],
 ) -> Path:
-    """Write ``tensors`` (in this order) to ``path``; ``fill`` gets a writable view per tensor
-    and writes the bytes. The file appears under its name only once complete."""
+    """Write ``tensors`` (in this order, each under its key) to ``path``; ``fill`` gets a
+    writable view per tensor and writes the bytes. The file appears under its name only once
+    complete."""
     with SafetensorsWriter(path, tensors, metadata) as writer:
-        fill({spec.name: writer.buffer(spec.name) for spec in tensors})
+        fill({spec.key: writer.buffer(spec.key) for spec in tensors})
         return writer.commit()

@@ -1,0 +1,144 @@
+"""`aoa convert`: a checkpoint, through a mapping, into a checkpoint folder of another layout
+and format.
+
+prepare (compile, plan, decide the destination shards and the files that hold them; nothing
+is written, so a dry run can print it) -> execute (the destination format writes each file,
+the kernel filling it in place) -> commit (the index, where the format has one). Memory stays
+near one destination file: files are written one after another, and source bytes are read
+through the source files' mappings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aoa.errors import UsageError
+from aoa.jobs.job import Job, ShardInfo, derived_outputs, plan_job
+from aoa.mapping import MappingText, as_mapping
+from aoa.mesh_layout import MeshLayout
+from aoa.plan import Plan
+from aoa.storage.folder import remove
+from aoa.storage.formats import Destination, Format, OutputFile, Source, format_named
+
+
+@dataclass
+class Conversion:
+    """What a conversion will write (or wrote): the job, the destination format and files."""
+
+    job: Job
+    format: Format
+    files: list[OutputFile]
+    seconds: float = 0.0
+
+    @property
+    def plan(self) -> Plan:
+        return self.job.plan
+
+    @property
+    def notes(self) -> list[str]:
+        return self.job.notes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def destination(self, output: str | Path) -> Destination:
+        """The output checkpoint in ``output``, in the conversion's format."""
+        assert self.format.destination is not None
+        return self.format.destination(output, self.plan.destinations, self.files,
+                                       self.job.source.extras())
+
+    def describe(self) -> str:
+        assert self.format.destination is not None
+        kind = ("sharded (one file per rank)" if self.format.destination.sharded
+                else "Hugging Face")
+        lines = [f"{len(self.files)} files, {self.format.name}, {kind}, {self.nbytes:,} bytes, "
+                 f"{len(self.plan.destinations)} tensors"]
+        for file in self.files:
+            lines.append(f"  {file.filename}  {file.nbytes:,} bytes, {len(file.shards)} tensors")
+            for index in file.shards:
+                shard = self.plan.destinations[index]
+                where = ("" if shard.local_shape == shard.global_shape else
+                         f" at {list(shard.global_offset)} of {list(shard.global_shape)}")
+                lines.append(f"    {shard.key}  {shard.dtype}  {list(shard.local_shape)}{where}")
+        return "\n".join(lines)
+
+
+def destination_shards(mapping: MappingText, source: Source, *,
+                       layout: MeshLayout | None = None, destination: ShardInfo | None = None
+                       ) -> tuple[ShardInfo | None, list[list[int]] | None]:
+    """The destination shards by key (None: derive whole outputs) and, when there are
+    ranks, each rank's shards as positions in the key-by-key listing.
+
+    A mesh layout splits what the program makes (compiled once without a destination for
+    that); with a shard list, rank i holds the i-th listed shard of each key."""
+    if layout is not None and destination is not None:
+        raise UsageError("give a layout or a destination shard list, not both")
+    if layout is not None:
+        shards = layout.shards(derived_outputs(mapping, source.shards))
+        return shards.by_key, shards.ranks
+    if destination is None:
+        return None, None
+    ranks: list[list[int]] = []
+    position = 0
+    for shards_of_key in destination.values():
+        for i, _ in enumerate(shards_of_key):
+            while len(ranks) <= i:
+                ranks.append([])
+            ranks[i].append(position)
+            position += 1
+    return destination, ranks
+
+
+def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
+            layout: MeshLayout | None = None, destination: ShardInfo | None = None,
+            output_format: str | None = None, max_file_bytes: int | None = None
+            ) -> Conversion:
+    """Compile and plan; decide the destination shards and the files that hold them.
+
+    No layout and no destination: full, unsharded tensors (``safetensors``, Hugging Face
+    files, by default). A layout (mesh and rules) or a shard-info mapping: one file per rank
+    (``dcp-safetensors`` by default). ``max_file_bytes``: the format's limit per file
+    (None: its default)."""
+    mapping = as_mapping(mapping)
+    format = format_named(output_format, "output") if output_format is not None else None
+    by_key, ranks = destination_shards(mapping, source, layout=layout, destination=destination)
+    if format is None:
+        format = format_named("dcp-safetensors" if ranks is not None else "safetensors",
+                              "output")
+    job = plan_job(mapping, source, by_key)
+    assert format.destination is not None
+    files = format.destination.plan_files(job.plan.destinations, ranks,
+                                          max_file_bytes=max_file_bytes)
+    return Conversion(job, format, files)
+
+
+def execute(conversion: Conversion, output: str | Path, *, threads: int | None = None,
+            backend: str = "cpp", progress: Callable[[int], None] | None = None,
+            check_output: bool = True) -> list[Path]:
+    """Write every file of the conversion into ``output``, then commit (the index). A
+    failure leaves none of the files."""
+    with conversion.destination(output) as destination:
+        if check_output:
+            destination.check()
+        start = time.perf_counter()
+        paths = write(conversion, destination, conversion.files, threads=threads,
+                      backend=backend, progress=progress)
+        try:
+            paths += destination.commit()
+        except BaseException:
+            remove(paths)
+            raise
+    conversion.seconds = time.perf_counter() - start
+    return paths
+
+
+def write(conversion: Conversion, destination: Destination, files: Sequence[OutputFile], *,
+          threads: int | None = None, backend: str = "cpp",
+          progress: Callable[[int], None] | None = None) -> list[Path]:
+    """Fill and finish ``files`` of the conversion (all, or a rank's share)."""
+    executor = conversion.job.executor(backend=backend, threads=threads, progress=progress)
+    return destination.write(executor.fill, files)

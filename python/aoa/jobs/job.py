@@ -1,0 +1,109 @@
+"""The one job under every entry point: open the source, compile, plan, execute into
+destinations.
+
+`convert` (into a checkpoint folder), `load` (into the caller's buffers) and `distributed`
+(either, spread over ranks) differ in where the destination shards come from and where
+their bytes go; the steps between are here, once.
+
+Each job compiles once, except where the destination shards depend on what the program
+makes, and so need a compile before them:
+
+* a mesh layout derives the destination shards from the outputs' shapes and dtypes
+  (`derived_outputs`, a compile without a destination); the plan then needs a compile
+  with those shards, because the program's meaning depends on them: fused macros
+  (``fused_qkv``, ``fused_ffn``) split by the destination's shard counts, and macros match
+  names against the destination's keys;
+* `aoa.load` checks the caller's buffers against what the mapping makes on its own (a
+  compile without a destination: names, shapes and dtypes, with messages about buffers)
+  before planning into them, for the same reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from aoa.layout import ShardDesc
+from aoa.mapping import MappingText
+from aoa.passes import PIPELINE, propagate_shapes, through
+from aoa.pipeline import Compilation, analyze
+from aoa.plan import Plan
+from aoa.runtime.executor import PlanExecutor
+from aoa.storage.formats import Source
+
+ShardInfo = Mapping[str, Sequence[ShardDesc]]
+
+
+def compile_mapping(mapping: MappingText, source: ShardInfo,
+                    destination: ShardInfo | None = None, *, plan: bool = True
+                    ) -> Compilation:
+    """Run the passes over ``mapping`` against the source's shards (and the destination's,
+    when they are known); ``plan=False`` stops before planning (to ask what it makes)."""
+    return analyze(mapping.statements, source, destination, reverse=mapping.reverse,
+                   file=mapping.file, passes=PIPELINE if plan else through(propagate_shapes))
+
+
+def outputs(mapping: MappingText, source: ShardInfo) -> dict[str, ShardDesc | None]:
+    """What ``mapping`` makes on its own (no destination given), whole, by key; None for a
+    key declared with `_ -> key`."""
+    return compile_mapping(mapping, source, plan=False).outputs()
+
+
+def derived_outputs(mapping: MappingText, source: ShardInfo
+                    ) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """Key -> (global shape, dtype) of what ``mapping`` makes with no destination given,
+    optimizer states included: what a mesh layout is applied to."""
+    return compile_mapping(mapping, source, plan=False).derived_outputs()
+
+
+@dataclass
+class Job:
+    """A mapping compiled and planned against an open source."""
+
+    source: Source
+    compilation: Compilation
+    plan: Plan
+    compile_seconds: float
+
+    @property
+    def notes(self) -> list[str]:
+        return [note.render() for note in self.compilation.ctx.notes]
+
+    def source_buffer(self, read: dict[int, ShardDesc] | None = None
+                      ) -> Callable[[int], object]:
+        """The buffer of the plan's source shard ``i``, from the source; ``read`` collects
+        the shards asked for (by plan index)."""
+        plan, source = self.plan, self.source
+
+        def source_buffer(index: int) -> object:
+            shard = plan.sources[index]
+            if read is not None:
+                read[index] = shard
+            return source.buffer(shard)
+
+        return source_buffer
+
+    def executor(self, *, backend: str = "cpp", threads: int | None = None,
+                 progress: Callable[[int], None] | None = None,
+                 read: dict[int, ShardDesc] | None = None,
+                 release_pages: bool = True) -> PlanExecutor:
+        """An executor reading the plan's source shards from the source's buffers, and
+        dropping their pages from memory after each fill (``release_pages``)."""
+        plan, source = self.plan, self.source
+
+        def release(index: int) -> None:
+            source.release(plan.sources[index])
+
+        return PlanExecutor(plan, self.source_buffer(read), backend=backend, threads=threads,
+                            progress=progress, release=release if release_pages else None)
+
+
+def plan_job(mapping: MappingText, source: Source, destination: ShardInfo | None = None
+             ) -> Job:
+    """Compile ``mapping`` against ``source`` and ``destination`` (None: derive the outputs,
+    whole) and plan every destination shard."""
+    start = time.perf_counter()
+    compilation = compile_mapping(mapping, source.shards, destination)
+    plan = compilation.plan()
+    return Job(source, compilation, plan, time.perf_counter() - start)

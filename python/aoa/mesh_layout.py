@@ -1,0 +1,154 @@
+"""Mesh layouts: destination shards derived from a mesh and rules, so nobody lists shards by
+hand (the TOML file `aoa convert --layout` takes).
+
+A layout file (TOML) names the mesh and, per key pattern, which axis each mesh dimension
+splits; a dimension a rule does not name replicates the tensor:
+
+    [mesh]            # ranks are numbered row-major over the dimensions, in this order
+    tp = 2
+
+    [[rule]]
+    match = "layers.*.self_attn.qkv_proj.weight"   # shell-style pattern over destination keys
+    tp = 1                                          # tp splits axis 1
+
+The first rule that matches a key decides; a key no rule matches is replicated on every rank.
+Optimizer states (`.moment1_0`, ...) follow their parameter's rule; beta pows are replicated.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from aoa.errors import UsageError
+from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
+
+
+@dataclass(frozen=True)
+class Rule:
+    match: str
+    axes: dict[str, int]  # mesh dimension -> tensor axis it splits
+
+
+@dataclass(frozen=True)
+class MeshShards:
+    """The destination shards of a mesh layout: by key, in the order the compiler takes
+    them, and each rank's as positions in that order (the key-by-key listing)."""
+
+    by_key: dict[str, list[ShardDesc]]
+    ranks: list[list[int]]
+
+    def listed(self) -> list[ShardDesc]:
+        """Every shard, key by key: what the positions in ``ranks`` count."""
+        return [shard for shards in self.by_key.values() for shard in shards]
+
+    def of_rank(self, rank: int) -> list[ShardDesc]:
+        listed = self.listed()
+        return [listed[position] for position in self.ranks[rank]]
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """A mesh (dimension name -> size) and the rules that say which tensor axis each
+    dimension splits, per key pattern."""
+
+    mesh: dict[str, int]
+    rules: tuple[Rule, ...]
+    source: str = "<layout>"
+
+    @property
+    def ranks(self) -> int:
+        count = 1
+        for size in self.mesh.values():
+            count *= size
+        return count
+
+    def coordinates(self) -> list[dict[str, int]]:
+        """Each rank's position on the mesh, rank 0 first."""
+        names = list(self.mesh)
+        return [dict(zip(names, position))
+                for position in itertools.product(*(range(self.mesh[n]) for n in names))]
+
+    def rule_for(self, key: str) -> Rule | None:
+        return next((rule for rule in self.rules if fnmatch.fnmatchcase(key, rule.match)), None)
+
+    def shards(self, outputs: Mapping[str, tuple[tuple[int, ...], str | None]]) -> MeshShards:
+        """The shards of outputs given as key -> (shape, dtype), by key and by rank."""
+        by_key: dict[str, list[ShardDesc]] = {}
+        by_rank: list[list[int]] = [[] for _ in range(self.ranks)]
+        count = 0
+        for key, (shape, dtype) in outputs.items():
+            # Optimizer states are sharded like their parameter; beta pows are replicated.
+            model_key, suffix = split_optimizer_suffix(key)
+            rule = None if suffix in BETA_POW_SUFFIXES else self.rule_for(model_key)
+            axes = rule.axes if rule else {}
+            for axis in axes.values():
+                if axis >= len(shape):
+                    raise UsageError(f"{self.source}: rule '{rule.match if rule else ''}' splits "
+                                     f"axis {axis} of '{key}', which has shape {list(shape)}")
+            per_axis: dict[int, int] = {}
+            for name, axis in axes.items():
+                per_axis[axis] = per_axis.get(axis, 1) * self.mesh[name]
+            for axis, parts in per_axis.items():
+                if shape[axis] % parts:
+                    raise UsageError(f"{self.source}: '{key}' has {shape[axis]} on axis {axis}, "
+                                     f"which does not split into {parts} equal shards")
+            shards = by_key.setdefault(key, [])
+            for rank, position in enumerate(self.coordinates()):
+                local, offset = list(shape), [0] * len(shape)
+                # Dimensions that split the same axis nest in mesh order (the first is outer).
+                for axis, parts in per_axis.items():
+                    local[axis] = shape[axis] // parts
+                    index = 0
+                    for name, split_axis in axes.items():
+                        if split_axis == axis:
+                            index = index * self.mesh[name] + position[name]
+                    offset[axis] = index * local[axis]
+                shards.append(ShardDesc(key, tuple(local), tuple(shape), tuple(offset), dtype))
+                by_rank[rank].append(count)
+                count += 1
+        return MeshShards(by_key, by_rank)
+
+
+def read_mesh_layout(path: str | Path) -> MeshLayout:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as error:
+        raise UsageError(f"cannot read layout {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UsageError(f"{path}: not valid TOML: {error}") from None
+    return parse_mesh_layout(data, str(path))
+
+
+def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
+    mesh = data.get("mesh")
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise UsageError(f"{source}: needs a [mesh] table, e.g. `[mesh]` then `tp = 2`")
+    for name, size in mesh.items():
+        if not isinstance(size, int) or size < 1:
+            raise UsageError(f"{source}: mesh dimension {name} = {size!r} must be a positive "
+                             "integer")
+    rules = []
+    for i, rule in enumerate(data.get("rule", [])):
+        if not isinstance(rule, Mapping) or not isinstance(rule.get("match"), str):
+            raise UsageError(f"{source}: rule {i + 1} needs match = \"key pattern\"")
+        axes = {k: v for k, v in rule.items() if k != "match"}
+        for name, axis in axes.items():
+            if name not in mesh:
+                raise UsageError(f"{source}: rule {i + 1} ('{rule['match']}') names '{name}', "
+                                 f"which is not a mesh dimension ({', '.join(mesh)})")
+            if not isinstance(axis, int) or axis < 0:
+                raise UsageError(f"{source}: rule {i + 1} ('{rule['match']}'): {name} must "
+                                 "be the axis it splits, a number from 0")
+        rules.append(Rule(rule["match"], axes))
+    extra = set(data) - {"mesh", "rule"}
+    if extra:
+        raise UsageError(f"{source}: unknown table(s) {', '.join(sorted(extra))}; a layout "
+                         "has [mesh] and [[rule]]")
+    return MeshLayout(dict(mesh), tuple(rules), source)

@@ -1,0 +1,71 @@
+"""Lowering: a plan's copies (boxes in shard coordinates) become the kernel's copies (byte
+offsets and strides over C-contiguous shard buffers).
+
+The plan stays plain data; this is the first thing the runtime does with it. A destination
+can also be filled a range of rows at a time (a staging buffer holding rows [start, stop) of
+its first axis): `cut_rows` keeps the parts of its copies that write those rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+
+from aoa.dtypes import itemsize
+from aoa.layout import ShardDesc
+from aoa.plan import Plan, PlannedCopy
+from aoa.runtime.copies import Copy, c_strides
+
+
+def lower(copy: PlannedCopy, source: ShardDesc, destination: ShardDesc,
+          source_slot: int, destination_slot: int) -> Copy:
+    """``copy`` between the buffer ``source_slot`` (holding ``source``) and the buffer
+    ``destination_slot`` (holding ``destination``)."""
+    source_dtype, destination_dtype = source.dtype or "float32", destination.dtype or "float32"
+    source_strides = c_strides(source.local_shape, itemsize(source_dtype))
+    destination_strides = c_strides(destination.local_shape, itemsize(destination_dtype))
+    source_offset = sum(a * b for a, b in zip(copy.source_start, source_strides))
+    destination_offset = sum(a * b for a, b in zip(copy.destination_start, destination_strides))
+    if copy.order is not None:
+        source_strides = tuple(source_strides[a] for a in copy.order)
+    return Copy(source_slot, source_offset, source_strides, destination_slot,
+                destination_offset, destination_strides, copy.shape, source_dtype,
+                destination_dtype, copy.casts)
+
+
+def kernel_copies(plan: Plan, copies: Iterable[PlannedCopy] | None = None) -> list[Copy]:
+    """The plan's copies (or ``copies`` of it) for buffers numbered as the plan numbers its
+    shards, in plan order."""
+    sources, destinations = plan.sources, plan.destinations
+    return [lower(c, sources[c.source], destinations[c.destination], c.source, c.destination)
+            for c in (plan.copies if copies is None else copies)]
+
+
+def rows_of(shard: ShardDesc, start: int, stop: int, dtype: str | None = None) -> ShardDesc:
+    """Rows [start, stop) of ``shard``'s first axis as a shard of their own (in ``dtype``,
+    default the shard's); a scalar is its own single row."""
+    dtype = shard.dtype if dtype is None else dtype
+    if not shard.local_shape:
+        return dataclasses.replace(shard, dtype=dtype)
+    offset = (shard.global_offset[0] + start, *shard.global_offset[1:])
+    return ShardDesc(shard.key, (stop - start, *shard.local_shape[1:]), shard.global_shape,
+                     offset, dtype)
+
+
+def cut_rows(copies: Sequence[PlannedCopy], start: int, stop: int) -> Iterator[PlannedCopy]:
+    """The parts of ``copies`` (of one destination) that write rows [start, stop) of it,
+    with destination boxes relative to ``start``."""
+    for c in copies:
+        if not c.shape:
+            yield c
+            continue
+        low = max(start, c.destination_start[0])
+        high = min(stop, c.destination_start[0] + c.shape[0])
+        if low >= high:
+            continue
+        axis = c.order[0] if c.order is not None else 0  # the source axis under axis 0
+        source_start = list(c.source_start)
+        source_start[axis] += low - c.destination_start[0]
+        yield PlannedCopy(c.destination, (low - start, *c.destination_start[1:]),
+                          (high - low, *c.shape[1:]), c.source, tuple(source_start), c.order,
+                          c.casts)

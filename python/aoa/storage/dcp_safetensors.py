@@ -1,0 +1,68 @@
+"""The ``dcp-safetensors`` format: one safetensors file per rank, as PyTorch DCP's Hugging
+Face storage writes them.
+
+Rank r of n writes ``rank-0000r-of-0000n.safetensors`` holding its shards under their keys;
+the file's metadata ``DCP_SHARDING_INFO`` gives each shard's global offset (and
+``DCP_VERSION``, as DCP writes it). No index: a reader takes every ``*.safetensors`` of the
+folder, and the global shape is where the furthest chunk ends. Read by the safetensors
+folder reader (`aoa.storage.safetensors_folder`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from aoa.layout import ShardDesc
+from aoa.storage.folder import Staging, output_folder
+from aoa.storage.formats import Destination, Fill, Format, OutputFile, Piece
+from aoa.storage.safetensors_folder import (
+    INDEX_NAME,
+    OFFSETS_KEY,
+    SHARDING_KEY,
+    is_sharded,
+    open_folder,
+)
+
+#: Written beside the sharding info, as DCP's Hugging Face storage writer does.
+_DCP_VERSION = {"DCP_VERSION": "1.0"}
+
+
+class DcpSafetensorsDestination(Destination):
+    """One file per rank, each shard with its global offset in the file's metadata."""
+
+    format = "dcp-safetensors"
+    sharded = True
+    patterns = ("*.safetensors", INDEX_NAME)
+
+    @classmethod
+    def plan_files(cls, shards: Sequence[ShardDesc], ranks: Sequence[Sequence[int]] | None,
+                   *, max_file_bytes: int | None = None) -> list[OutputFile]:
+        """``rank-00000-of-00004.safetensors`` ... (ranks counted from 0); without ranks, one
+        rank holds every shard."""
+        groups = [range(len(shards))] if ranks is None else ranks
+        count = len(groups)
+        return [OutputFile(f"rank-{rank:05d}-of-{count:05d}.safetensors", tuple(indices),
+                           sum(shards[i].nbytes for i in indices))
+                for rank, indices in enumerate(groups)]
+
+    def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
+        folder = output_folder(self.folder)
+        with Staging(folder) as staging:
+            for file in self.files if files is None else files:
+                shards = [self.shards[index] for index in file.shards]
+                info = {shard.key: {OFFSETS_KEY: list(shard.global_offset)} for shard in shards}
+                metadata = {SHARDING_KEY: json.dumps(info), **_DCP_VERSION}
+                with staging.safetensors(file.filename, shards, metadata) as writer:
+                    for index, shard in zip(file.shards, shards):
+                        fill([Piece(index, writer.buffer(shard.key))])
+            return staging.commit()
+
+    def commit(self) -> list[Path]:
+        """Nothing: the rank files are the whole checkpoint."""
+        return []
+
+
+FORMAT = Format("dcp-safetensors", "safetensors files with PyTorch DCP's DCP_SHARDING_INFO, "
+                "one per rank", is_sharded, open_folder, DcpSafetensorsDestination)

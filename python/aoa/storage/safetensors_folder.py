@@ -1,0 +1,223 @@
+"""Reading a folder of safetensors files: the source side of both safetensors formats.
+
+* Hugging Face (``safetensors``): ``model.safetensors``, or ``model-00001-of-00003.safetensors``
+  ... with a ``model.safetensors.index.json`` whose ``weight_map`` says which file holds each
+  key. Every tensor is whole: global offset zeros, global shape its shape.
+* Sharded (``dcp-safetensors``), the way PyTorch DCP's Hugging Face storage writes it: each
+  file's metadata key ``DCP_SHARDING_INFO`` holds JSON ``{key: {"saved_offsets": [...]}}``,
+  the global offset of that file's chunk of ``key``. Chunks of one key may lie in several
+  files; the global shape is where the furthest chunk ends on each axis.
+
+One reader serves both: a folder may hold either, DCP's writer adds an index too, and the
+checks are the same. The source says ``dcp-safetensors`` when any file carries sharding info.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+from aoa.errors import StorageError
+from aoa.layout import ShardDesc
+from aoa.storage.chunks import Chunk, key_shards
+from aoa.storage.formats import Source
+from aoa.storage.safetensors import SafetensorsFile
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+SHARDING_KEY = "DCP_SHARDING_INFO"
+OFFSETS_KEY = "saved_offsets"
+
+
+class _Stored(NamedTuple):
+    """Where a shard's bytes are: the open file and the tensor's name in it."""
+
+    file: SafetensorsFile
+    name: str
+
+
+class SafetensorsSource(Source[_Stored]):
+    """The open files of a safetensors checkpoint; buffers are views of their mappings."""
+
+    def __init__(self, path: Path, files: dict[Path, SafetensorsFile]) -> None:
+        sharded = any(SHARDING_KEY in file.metadata for file in files.values())
+        super().__init__(path, "dcp-safetensors" if sharded else "safetensors", _shards(files))
+        self._files = files
+
+    def buffer(self, shard: ShardDesc) -> memoryview:
+        stored = self.location(shard)
+        return stored.file.buffer(stored.name)
+
+    def release(self, shard: ShardDesc) -> None:
+        stored = self.location(shard)
+        stored.file.release(stored.name)
+
+    def file_of(self, shard: ShardDesc) -> Path:
+        return self.location(shard).file.path
+
+    def files(self) -> list[Path]:
+        return sorted(self._files)
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+
+
+def claims(path: Path) -> bool:
+    """A safetensors file, or a folder with an index or safetensors files (sharded or not:
+    the source then says which)."""
+    if path.is_file():
+        return path.suffix == ".safetensors"
+    return (path / INDEX_NAME).is_file() or bool(_folder_files(path, required=False))
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether the first safetensors file of ``path`` carries DCP sharding info."""
+    names = [path] if path.is_file() else _folder_files(path, required=False)
+    if not names or names[0].suffix != ".safetensors":
+        return False
+    try:
+        with SafetensorsFile.open(names[0]) as file:
+            return SHARDING_KEY in file.metadata
+    except StorageError:
+        return False  # the reader will say what is wrong with it
+
+
+def open_folder(path: Path) -> SafetensorsSource:
+    """Open a safetensors file, or a folder of them (Hugging Face or DCP-sharded).
+
+    The files of a folder are those its index names, or else every ``*.safetensors`` in it.
+    """
+    index = path / INDEX_NAME
+    weight_map = None
+    if path.is_file():
+        names = [path]
+    elif index.is_file():
+        weight_map = _read_index(index)
+        names = _index_files(index, weight_map)
+    elif path.is_dir():
+        names = _folder_files(path)
+    else:
+        raise StorageError(f"{path}: no such checkpoint file or folder")
+    files: dict[Path, SafetensorsFile] = {}
+    try:
+        for name in names:
+            files[name] = SafetensorsFile.open(name)
+        if weight_map is not None:
+            _check_index(index, weight_map, files)
+        return SafetensorsSource(path, files)
+    except BaseException:
+        for file in files.values():
+            file.close()
+        raise
+
+
+def _folder_files(folder: Path, required: bool = True) -> list[Path]:
+    names = sorted(
+        name
+        for name in folder.glob("*.safetensors")
+        if name.is_file() and not name.name.startswith(".")
+    ) if folder.is_dir() else []
+    if not names and required:
+        raise StorageError(f"{folder}: no .safetensors files in this folder")
+    return names
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The weight map of an index file, checked to be an object of key -> file name."""
+    try:
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise StorageError(f"{index}: cannot read the index: {error}") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(key, str) and isinstance(name, str) for key, name in weight_map.items()
+    ):
+        raise StorageError(f"{index}: index has no weight_map object of key -> file name")
+    return weight_map
+
+
+def _index_files(index: Path, weight_map: dict[str, str]) -> list[Path]:
+    """The files an index names, each checked to exist beside it."""
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if Path(name).name != name:
+            raise StorageError(f"{index}: file name '{name}' is not a name inside the folder")
+        if not (index.parent / name).is_file():
+            raise StorageError(f"{index}: names shard file '{name}', which does not exist")
+    return [index.parent / name for name in names]
+
+
+def _check_index(
+    index: Path, weight_map: dict[str, str], files: dict[Path, SafetensorsFile]
+) -> None:
+    """Each key the index names is in the file it names, and each key stored is named.
+
+    (DCP maps a key split over several files to one of them; that passes both checks.)
+    """
+    for key, name in weight_map.items():
+        if key not in files[index.parent / name].tensors:
+            raise StorageError(
+                f"{index}: says tensor '{key}' is in '{name}', which does not hold it"
+            )
+    for file in files.values():
+        for key in file.tensors:
+            if key not in weight_map:
+                raise StorageError(f"{file.path}: tensor '{key}' is not in the index {index}")
+
+
+def _shards(files: dict[Path, SafetensorsFile]) -> dict[str, list[tuple[ShardDesc, _Stored]]]:
+    """Every stored chunk, grouped by key, with global shapes and the checks between chunks."""
+    found: dict[str, list[tuple[SafetensorsFile, tuple[int, ...] | None]]] = {}
+    for file in files.values():
+        offsets = _sharding_info(file)
+        for key in file.tensors:
+            found.setdefault(key, []).append((file, offsets.get(key)))
+    return {key: _key_shards(key, chunks) for key, chunks in found.items()}
+
+
+def _key_shards(key: str, found: list[tuple[SafetensorsFile, tuple[int, ...] | None]]
+                ) -> list[tuple[ShardDesc, _Stored]]:
+    if len(found) > 1 and any(offset is None for _, offset in found):
+        files = ", ".join(str(file.path) for file, _ in found)
+        raise StorageError(
+            f"tensor '{key}' is stored in several files without {SHARDING_KEY}: {files}"
+        )
+    chunks = []
+    for file, offset in found:
+        info = file.tensors[key]
+        chunks.append(Chunk(info.shape, offset or (0,) * len(info.shape), info.dtype,
+                            file.path, _Stored(file, key)))
+    return key_shards(key, chunks)  # type: ignore[return-value]
+
+
+def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
+    """Global offset of each chunk in ``file``, from its DCP metadata (empty if none)."""
+    text = file.metadata.get(SHARDING_KEY)
+    if text is None:
+        return {}
+    where = f"{file.path}: {SHARDING_KEY}"
+    try:
+        info = json.loads(text)
+    except ValueError as error:
+        raise StorageError(f"{where} is not JSON: {error}") from None
+    if not isinstance(info, dict):
+        raise StorageError(f"{where} is not an object of key -> saved_offsets")
+    offsets: dict[str, tuple[int, ...]] = {}
+    for key, entry in info.items():
+        if key not in file.tensors:
+            raise StorageError(f"{where} names tensor '{key}', which the file does not hold")
+        saved = entry.get(OFFSETS_KEY) if isinstance(entry, dict) else None
+        ndim = len(file.tensors[key].shape)
+        if not (
+            isinstance(saved, list)
+            and len(saved) == ndim
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in saved)
+        ):
+            raise StorageError(
+                f"{where}: tensor '{key}' has saved_offsets {saved!r}, not {ndim} "
+                f"non-negative integers"
+            )
+        offsets[key] = tuple(saved)
+    return offsets

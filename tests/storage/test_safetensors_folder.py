@@ -1,0 +1,243 @@
+"""Reading safetensors folders (Hugging Face, and DCP-sharded), files written by the
+`safetensors` package itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from safetensors_files import dcp_file, hf_index
+from sharding import assemble
+
+from aoa.errors import StorageError
+from aoa.storage import open_source
+
+
+def storage_error(call, *args) -> str:
+    with pytest.raises(StorageError) as caught:
+        call(*args)
+    return caught.value.message
+
+
+def arange(*shape: int) -> np.ndarray:
+    return np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+
+
+# ---------------------------------------------------------------------------- source side
+
+
+def test_hugging_face_single_file_folder(tmp_path: Path) -> None:
+    arrays = {"w": arange(3, 4), "b": np.arange(4, dtype=np.int64)}
+    save_file(arrays, tmp_path / "model.safetensors")
+    for path in (tmp_path, tmp_path / "model.safetensors"):
+        with open_source(path) as checkpoint:
+            assert set(checkpoint.shards) == {"w", "b"}
+            [w] = checkpoint.shards["w"]
+            assert (w.key, w.dtype, w.local_shape, w.global_shape, w.global_offset) == (
+                "w",
+                "float32",
+                (3, 4),
+                (3, 4),
+                (0, 0),
+            )
+            assert (checkpoint.file_of(w), w.nbytes) == (tmp_path / "model.safetensors", 48)
+            assert bytes(checkpoint.buffer(w)) == arrays["w"].tobytes()
+            assert checkpoint.shards["b"][0].dtype == "int64"
+
+
+def test_hugging_face_index_folder(tmp_path: Path) -> None:
+    save_file({"a": arange(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": arange(3), "c": arange(1)}, tmp_path / "model-00002-of-00002.safetensors")
+    save_file({"stray": arange(1)}, tmp_path / "not-in-the-index.safetensors")
+    hf_index(
+        tmp_path,
+        {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors",
+        },
+    )
+    with open_source(tmp_path) as checkpoint:
+        assert list(checkpoint.shards) == ["a", "b", "c"]
+        b = checkpoint.shards["b"][0]
+        assert checkpoint.file_of(b) == tmp_path / "model-00002-of-00002.safetensors"
+        assert bytes(checkpoint.buffer(checkpoint.shards["b"][0])) == arange(3).tobytes()
+
+
+def test_index_naming_a_missing_shard_file(tmp_path: Path) -> None:
+    save_file({"a": arange(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    hf_index(
+        tmp_path,
+        {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    )
+    assert storage_error(open_source, tmp_path) == (
+        f"{tmp_path / 'model.safetensors.index.json'}: names shard file "
+        "'model-00002-of-00002.safetensors', which does not exist"
+    )
+
+
+def test_index_that_disagrees_with_its_files(tmp_path: Path) -> None:
+    save_file({"a": arange(2), "x": arange(1)}, tmp_path / "one.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    hf_index(tmp_path, {"a": "one.safetensors", "b": "one.safetensors"})
+    assert storage_error(open_source, tmp_path) == (
+        f"{index}: says tensor 'b' is in 'one.safetensors', which does not hold it"
+    )
+    hf_index(tmp_path, {"a": "one.safetensors"})
+    assert storage_error(open_source, tmp_path) == (
+        f"{tmp_path / 'one.safetensors'}: tensor 'x' is not in the index {index}"
+    )
+    index.write_text('{"weight_map": []}')
+    assert storage_error(open_source, tmp_path) == (
+        f"{index}: index has no weight_map object of key -> file name"
+    )
+
+
+def test_dcp_sharded_folder(tmp_path: Path) -> None:
+    whole = arange(4, 6)
+    dcp_file(
+        tmp_path / "shard-0.safetensors",
+        {"w": (whole[:2, :4].copy(), [0, 0]), "bias": (arange(3), [0])},
+    )
+    dcp_file(tmp_path / "shard-1.safetensors", {"w": (whole[:2, 4:].copy(), [0, 4])})
+    dcp_file(tmp_path / "shard-2.safetensors", {"w": (whole[2:].copy(), [2, 0])})
+    with open_source(tmp_path) as checkpoint:
+        shards = checkpoint.shards["w"]
+        assert [(s.global_offset, s.local_shape) for s in shards] == [
+            ((0, 0), (2, 4)),
+            ((0, 4), (2, 2)),
+            ((2, 0), (2, 6)),
+        ]
+        assert {s.global_shape for s in shards} == {(4, 6)}
+        assert [checkpoint.file_of(s).name for s in shards] == [
+            f"shard-{n}.safetensors" for n in range(3)]
+        np.testing.assert_array_equal(assemble(checkpoint, "w"), whole)
+        assert checkpoint.shards["bias"][0].global_shape == (3,)
+
+
+def test_dcp_files_listed_by_an_index(tmp_path: Path) -> None:
+    dcp_file(tmp_path / "a.safetensors", {"w": (arange(2), [0]), "v": (arange(1), [0])})
+    dcp_file(tmp_path / "b.safetensors", {"w": (arange(2) + 2, [2])})
+    dcp_file(tmp_path / "ignored.safetensors", {"w": (arange(2), [4])})
+    # DCP maps a key split over files to one of them; the index's file list is what counts.
+    hf_index(tmp_path, {"w": "b.safetensors", "v": "a.safetensors"})
+    with open_source(tmp_path) as checkpoint:
+        assert [checkpoint.file_of(s).name for s in checkpoint.shards["w"]] == [
+            "a.safetensors", "b.safetensors"]
+        np.testing.assert_array_equal(assemble(checkpoint, "w"), arange(4))
+    # An index that misses a file of chunks is caught by the coverage check, not trusted.
+    (tmp_path / "a.safetensors").unlink()
+    hf_index(tmp_path, {"w": "b.safetensors"})
+    assert storage_error(open_source, tmp_path) == (
+        "tensor 'w': its chunks cover 2 of the 4 elements of its global shape [4]; files: "
+        f"{tmp_path / 'b.safetensors'}"
+    )
+
+
+def test_same_key_in_two_files_without_sharding_info(tmp_path: Path) -> None:
+    save_file({"w": arange(2)}, tmp_path / "a.safetensors")
+    save_file({"w": arange(2)}, tmp_path / "b.safetensors")
+    assert storage_error(open_source, tmp_path) == (
+        "tensor 'w' is stored in several files without DCP_SHARDING_INFO: "
+        f"{tmp_path / 'a.safetensors'}, {tmp_path / 'b.safetensors'}"
+    )
+
+
+def test_chunks_of_different_dtypes(tmp_path: Path) -> None:
+    dcp_file(tmp_path / "a.safetensors", {"w": (arange(2), [0])})
+    dcp_file(tmp_path / "b.safetensors", {"w": (np.zeros(2, np.float16), [2])})
+    assert storage_error(open_source, tmp_path) == (
+        f"tensor 'w' is float16 [2] in {tmp_path / 'b.safetensors'} but float32 [2] in "
+        f"{tmp_path / 'a.safetensors'}"
+    )
+
+
+def test_overlapping_chunks(tmp_path: Path) -> None:
+    dcp_file(tmp_path / "a.safetensors", {"w": (arange(2, 3), [0, 0])})
+    dcp_file(tmp_path / "b.safetensors", {"w": (arange(2, 3), [1, 2])})
+    assert storage_error(open_source, tmp_path) == (
+        f"tensor 'w': chunk at [0, 0] in {tmp_path / 'a.safetensors'} overlaps chunk at "
+        f"[1, 2] in {tmp_path / 'b.safetensors'}"
+    )
+
+
+def test_overlap_inside_a_grid_of_chunks(tmp_path: Path, monkeypatch) -> None:
+    chunks = {f"{i}{j}": ([2 * i, 3 * j], (2, 3)) for i in range(3) for j in range(3)}
+    chunks["extra"] = ([3, 4], (1, 1))  # inside chunk "12"
+    for name, (offset, shape) in chunks.items():
+        dcp_file(tmp_path / f"{name}.safetensors", {"w": (arange(*shape), offset)})
+    expected = (
+        f"tensor 'w': chunk at [2, 3] in {tmp_path / '11.safetensors'} overlaps chunk at "
+        f"[3, 4] in {tmp_path / 'extra.safetensors'}"
+    )
+    assert storage_error(open_source, tmp_path) == expected
+    monkeypatch.setattr("aoa.storage.chunks.MAX_GRID_CELLS", 0)  # the pairwise path
+    assert storage_error(open_source, tmp_path) == expected
+    (tmp_path / "extra.safetensors").unlink()
+    with open_source(tmp_path) as checkpoint:
+        assert checkpoint.shards["w"][0].global_shape == (6, 9)
+
+
+def test_scalar_chunks_and_empty_chunks(tmp_path: Path) -> None:
+    dcp_file(tmp_path / "a.safetensors", {"s": (np.array(1, np.float32), [])})
+    dcp_file(tmp_path / "b.safetensors", {"e": (arange(0, 3), [0, 0])})
+    dcp_file(tmp_path / "c.safetensors", {"e": (arange(2, 3), [0, 0])})
+    with open_source(tmp_path) as checkpoint:  # an empty chunk overlaps nothing
+        assert checkpoint.shards["s"][0].global_shape == ()
+        assert [s.local_shape for s in checkpoint.shards["e"]] == [(0, 3), (2, 3)]
+    dcp_file(tmp_path / "b.safetensors", {"s": (np.array(2, np.float32), [])})
+    with open_source(tmp_path) as checkpoint:  # the same box twice: a replica
+        assert len(checkpoint.shards["s"]) == 1
+        assert checkpoint.file_of(checkpoint.shards["s"][0]) == tmp_path / "a.safetensors"
+
+
+def test_replicas_count_once_but_partial_overlaps_are_refused(tmp_path: Path) -> None:
+    for rank in range(2):  # both ranks saved the replicated tensor whole
+        dcp_file(tmp_path / f"{rank}.safetensors", {"w": (arange(2, 2), [0, 0])})
+    with open_source(tmp_path) as checkpoint:
+        assert [checkpoint.file_of(s).name for s in checkpoint.shards["w"]] == ["0.safetensors"]
+    dcp_file(tmp_path / "2.safetensors", {"w": (arange(1, 2), [1, 0])})
+    assert "overlaps chunk" in storage_error(open_source, tmp_path)
+
+
+def test_chunks_that_leave_a_hole(tmp_path: Path) -> None:
+    dcp_file(tmp_path / "a.safetensors", {"w": (arange(2, 2), [0, 0])})
+    dcp_file(tmp_path / "b.safetensors", {"w": (arange(2, 2), [2, 2])})
+    assert storage_error(open_source, tmp_path) == (
+        "tensor 'w': its chunks cover 8 of the 16 elements of its global shape [4, 4]; files: "
+        f"{tmp_path / 'a.safetensors'}, {tmp_path / 'b.safetensors'}"
+    )
+
+
+def test_bad_sharding_info(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    cases = [
+        ("{", "DCP_SHARDING_INFO is not JSON"),
+        ('{"v": {"saved_offsets": [0]}}', "DCP_SHARDING_INFO names tensor 'v', which the file"),
+        (
+            '{"w": {"saved_offsets": [0]}}',
+            "DCP_SHARDING_INFO: tensor 'w' has saved_offsets [0], not 2 non-negative integers",
+        ),
+    ]
+    for info, fragment in cases:
+        save_file({"w": arange(2, 2)}, path, metadata={"DCP_SHARDING_INFO": info})
+        assert storage_error(open_source, tmp_path).startswith(f"{path}: {fragment}")
+
+
+def test_folder_without_files_and_missing_path(tmp_path: Path) -> None:
+    assert storage_error(open_source, tmp_path) == (
+        f"{tmp_path}: no .safetensors files in this folder"
+    )
+    assert storage_error(open_source, tmp_path / "nope") == (
+        f"{tmp_path / 'nope'}: no such checkpoint file or folder"
+    )
+
+
+def test_a_bad_file_names_itself(tmp_path: Path) -> None:
+    save_file({"a": arange(2)}, tmp_path / "a.safetensors")
+    (tmp_path / "b.safetensors").write_bytes(b"\1\0")
+    assert storage_error(open_source, tmp_path).startswith(
+        f"{tmp_path / 'b.safetensors'}: truncated"
+    )
