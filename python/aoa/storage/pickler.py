@@ -54,6 +54,13 @@ class Build:
 
 
 @dataclass(frozen=True)
+class Pairs:
+    """A dict given as (key, value) pairs: keys may be nodes (a dataclass as a key)."""
+
+    items: tuple[tuple[Any, Any], ...]
+
+
+@dataclass(frozen=True)
 class PersistentId:
     """An object the pickle refers to outside itself (BINPERSID)."""
 
@@ -138,9 +145,10 @@ class _Writer:
                 for item in chunk:
                     self.write(item)
                 self.out += b"e"
-        elif isinstance(value, dict):
+        elif isinstance(value, (dict, Pairs)):
             self.out += b"}"
-            for chunk in _batches(list(value.items())):
+            pairs = list(value.items() if isinstance(value, dict) else value.items)
+            for chunk in _batches(pairs):
                 self.out += b"("
                 for key, item in chunk:
                     self.write(key)

@@ -25,6 +25,7 @@ import numpy as np
 from aoa.dtypes import NUMPY_DTYPES, itemsize
 from aoa.errors import StorageError
 from aoa.storage import pickler, unpickler
+from aoa.storage.mapped import MappedFile, Stored
 from aoa.storage.stored_zip import StoredRecord, ZipLayout, read_records
 
 #: torch's legacy storage classes, by the dtype (Paddle name) of their elements.
@@ -105,6 +106,16 @@ class SavedTensor:
             storage[self.storage_offset * size:], shape=(*self.shape, size),
             strides=(*(s * size for s in self.stride), 1), writeable=False)
         return np.ascontiguousarray(view)
+
+
+def stored(tensor: SavedTensor, file: MappedFile) -> Stored:
+    """Where ``tensor``'s bytes lie in ``file``: in place when C-contiguous, else the range
+    of its storage, gathered into C order when read."""
+    start = tensor.contiguous_offset()
+    if start is None:
+        return Stored(file, tensor.storage.offset, tensor.storage.nbytes,
+                      lambda _view: tensor.gather(file.data))
+    return Stored(file, start, tensor.nbytes)
 
 
 def read_torch_save(data: memoryview, where: str | Path, start: int = 0,
