@@ -17,6 +17,7 @@ a tensor stored inside a pickle is read in place (Paddle's ``.distcp``).
 
 from __future__ import annotations
 
+import _compat_pickle
 import codecs
 import struct
 from collections.abc import Callable, Mapping
@@ -89,7 +90,6 @@ def _latin1_bytes(text: str, encoding: str = "latin1") -> bytes:
 #: Plain values every pickle may build: how protocols 0 to 3 write sets and bytes.
 PLAIN: dict[tuple[str, str], Callable[..., Any]] = {
     ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
-    ("__builtin__", "set"): set, ("__builtin__", "frozenset"): frozenset,
     ("_codecs", "encode"): _latin1_bytes,
 }
 
@@ -135,6 +135,7 @@ class _Machine:
         self.pos = start
         self.end = end
         self.persistent_load = persistent_load
+        self.protocol = 0
         self.stack: list[Any] = []
         self.marks: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
@@ -218,6 +219,9 @@ class _Machine:
             raise self.fail(f"{type(error).__name__}: {error}") from None
 
     def resolve(self, module: str, name: str) -> Any:
+        if self.protocol < 3:  # Python 2 names, as Python's unpickler maps them back
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         found = self.allowed.get((module, name))
         if found is None:
             raise StorageError(
@@ -246,6 +250,7 @@ def _proto(m: _Machine) -> None:
     version = m.unsigned(1)
     if version > 5:
         raise m.fail(f"pickle protocol {version} is newer than 5")
+    m.protocol = version
 
 
 def _frame(m: _Machine) -> None:
