@@ -35,7 +35,7 @@ NAME = "plan"
 Answer = list[tuple[str, Entry]]
 
 
-class _Read(NamedTuple):
+class _SourceShard(NamedTuple):
     """A source shard named by the tensor's slot (which source key) and the position of the
     shard among that key's distinct shards."""
 
@@ -43,10 +43,10 @@ class _Read(NamedTuple):
     shard: int
 
 
-class _Recipe(NamedTuple):
-    """One copy of a destination shard, reading ``read``."""
+class _ShardCopy(NamedTuple):
+    """One copy of a destination shard, reading ``source``."""
 
-    read: _Read
+    source: _SourceShard
     destination_start: Box
     shape: Box
     source_start: Box
@@ -54,8 +54,7 @@ class _Recipe(NamedTuple):
     casts: tuple[str, ...]
 
 
-
-class _Physical(NamedTuple):
+class _ShardRead(NamedTuple):
     """One read of an entry from one source shard, relative to the entry's boxes."""
 
     shard: int  # position among the key's distinct shards
@@ -184,7 +183,7 @@ class Planner:
         self.state = tensors
         self._distinct: dict[int, list[int] | None] = {}
         self._source_shards: dict[str, list[ShardDesc]] = {}
-        self._reads_memo: dict[tuple, list[_Physical]] = {}
+        self._reads_memo: dict[tuple, list[_ShardRead]] = {}
         self._casts_memo: dict[tuple, tuple[str, ...]] = {}
         self._key_memo: dict[tuple, tuple[list[tuple[int, tuple[int, ...]]],
                                           list[KeyedCopy]]] = {}
@@ -304,7 +303,7 @@ class Planner:
                 hint=f"Map a source to them, or declare the destination empty with "
                      f"`_ -> {name}` to leave it as it is.")
 
-    # -- physical sources ----------------------------------------------------------------
+    # -- source shards -------------------------------------------------------------------
     def source_shards(self, key: str) -> list[ShardDesc]:
         """The distinct shards of a source key (replicas once), checked to tile it."""
         shards = self._source_shards.get(key)
@@ -375,25 +374,25 @@ class Planner:
                         sharding, same)
             memo = None if removed else self._key_memo.get(memo_key)
             if memo is None:
-                memo = self._key_recipes(shards, tensor, suffix, same)
+                memo = self._key_copies(shards, tensor, suffix, same)
                 if not removed:
                     self._key_memo[memo_key] = memo
-            reads, recipes = memo
+            reads, key_copies = memo
             if len(reads) == 1:
                 slot, positions = reads[0]
                 ids = source_index.ids(read_keys[slot], positions)
             else:
                 ids = [i for slot, positions in reads
                        for i in source_index.ids(read_keys[slot], positions)]
-            copies.add(start, recipes, ids)
+            copies.add(start, key_copies, ids)
         if targets is None:
             self._note_unused_sources({shard.key for shard in source_index.shards})
         notes = [note.render() for note in self.ctx.notes]
         return Plan(source_index.shards, destinations, copies, notes, untouched)
 
-    def _key_recipes(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None,
-                     same: tuple[int, ...] | None
-                     ) -> tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy]]:
+    def _key_copies(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None,
+                    same: tuple[int, ...] | None
+                    ) -> tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy]]:
         """The copies of one key's shards, with sources as positions in the key's distinct
         reads, so that another key laid out alike only renames them.
 
@@ -401,9 +400,10 @@ class Planner:
         its shards read), and numbered in that order; ``same`` gives each slot's first
         slot of the same key (None: one slot)."""
         # each copy with its read as (the first slot of its source key, shard position)
-        planned = [(k, (r.read.slot if same is None else same[r.read.slot], r.read.shard), r)
+        planned = [(k, (r.source.slot if same is None else same[r.source.slot],
+                        r.source.shard), r)
                    for k, target in enumerate(shards)
-                   for r in self._recipes(target, tensor, suffix)]
+                   for r in self._shard_copies(target, tensor, suffix)]
         by_key: dict[int, dict[int, None]] = {}
         for _, (slot, position), _ in planned:
             by_key.setdefault(slot, {})[position] = None
@@ -413,24 +413,25 @@ class Planner:
         return reads, [(k, number[read], r.destination_start, r.shape, r.source_start,
                         r.order, r.casts) for k, read, r in planned]
 
-    def _recipes(self, target: ShardDesc, tensor: Tensor, suffix: str | None) -> list[_Recipe]:
+    def _shard_copies(self, target: ShardDesc, tensor: Tensor, suffix: str | None
+                      ) -> list[_ShardCopy]:
         """Validate one destination shard and work out its copies."""
         entries = self._raw_entries(target, tensor, suffix)
         read_keys = [tensor.keys[e.slot] + (suffix or "") for e in entries]
         self._check(target, tensor, [(k, e.ops) for k, e in zip(read_keys, entries)],
                     [(e.target_lo, e.target_hi, k) for k, e in zip(read_keys, entries)])
         offset = target.global_offset
-        recipes = []
+        copies = []
         for source_key, e in zip(read_keys, entries):
             shards = self.source_shards(source_key)
             casts = self._casts(e.ops, shards[0].dtype, target.dtype)
-            for physical in self._physical(e, source_key, shards):
-                recipes.append(_Recipe(
-                    _Read(e.slot, physical.shard),
-                    tuple(t + d - o for t, d, o in zip(e.target_lo, physical.target_delta,
+            for read in self._shard_reads(e, source_key, shards):
+                copies.append(_ShardCopy(
+                    _SourceShard(e.slot, read.shard),
+                    tuple(t + d - o for t, d, o in zip(e.target_lo, read.target_delta,
                                                        offset)),
-                    physical.shape, physical.source_start, e.order, casts))
-        return recipes
+                    read.shape, read.source_start, e.order, casts))
+        return copies
 
     def _casts(self, ops, source_dtype, destination_dtype) -> tuple[str, ...]:
         if not ops:
@@ -442,7 +443,8 @@ class Planner:
                                                              destination_dtype)
         return casts
 
-    def _physical(self, entry: Entry, key: str, shards: list[ShardDesc]) -> list[_Physical]:
+    def _shard_reads(self, entry: Entry, key: str, shards: list[ShardDesc]
+                     ) -> list[_ShardRead]:
         """The reads of ``entry`` from the shards of its source key (remembered per
         sharding of the source key, since models repeat them)."""
         memo_key = (entry.source_lo, entry.source_hi, entry.order,
@@ -462,8 +464,8 @@ class Planner:
             if entry.order is not None:
                 delta = [delta[a] for a in entry.order]
                 size = [size[a] for a in entry.order]
-            result.append(_Physical(position, tuple(delta), tuple(size),
-                                    tuple(a - o for a, o in zip(lo, shard.global_offset))))
+            result.append(_ShardRead(position, tuple(delta), tuple(size),
+                                     tuple(a - o for a, o in zip(lo, shard.global_offset))))
         self._reads_memo[memo_key] = result
         return result
 

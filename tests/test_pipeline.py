@@ -1,0 +1,57 @@
+"""The pipeline as data: the passes in order, each named after its module, the form of the IR
+each leaves, and a README that names every one of them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from sharding import sharded
+
+from aoa.ir import Program
+from aoa.passes import PIPELINE, expand_macros, propagate_shapes, through
+from aoa.passes.plan import PlannedProgram
+from aoa.passes.resolve_chains import ChainedProgram
+from aoa.pipeline import analyze
+from aoa.symbolic import SymbolicTensors
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_each_pass_is_named_after_its_module():
+    assert [p.NAME for p in PIPELINE] == [p.__name__.rpartition(".")[2] for p in PIPELINE]
+    assert [p.NAME for p in PIPELINE] == ["parse", "expand_macros", "share_instances",
+                                          "resolve_chains", "expand_fused",
+                                          "propagate_shapes", "plan"]
+
+
+def test_the_readme_lists_every_pass_in_order():
+    text = README.read_text()
+    block = text[text.index("python/aoa/passes/"):text.index("python/aoa/pipeline.py")]
+    assert re.findall(r"^\s+(\w+)\.py", block, re.MULTILINE) == [p.NAME for p in PIPELINE]
+
+
+def test_the_hook_sees_each_pass_and_the_form_it_leaves():
+    seen = []
+    compilation = analyze(
+        "w^T -> t\nt -> v, dtype='bfloat16'\n", {"w": sharded("w", (4, 8), 2, 0)},
+        {"v": sharded("v", (8, 4), 2, 1, "bfloat16")},
+        after_pass=lambda name, ir, ctx, seconds: seen.append((name, type(ir), seconds >= 0)))
+    assert seen == [("parse", Program, True), ("expand_macros", Program, True),
+                    ("share_instances", Program, True), ("resolve_chains", ChainedProgram, True),
+                    ("expand_fused", Program, True), ("propagate_shapes", SymbolicTensors, True),
+                    ("plan", PlannedProgram, True)]
+    assert compilation.planned is not None and compilation.plan() is compilation.planned
+    assert [str(s) for s in compilation.program.statements] == [
+        "w -> w_transpose_tmp, permute='[]'", "w_transpose_tmp -> t",
+        "t -> v, dtype='bfloat16'"]
+
+
+def test_stopping_after_propagate_shapes_plans_on_demand():
+    compilation = analyze("w -> v", {"w": sharded("w", (4,), 1, 0)}, None,
+                          passes=through(propagate_shapes))
+    assert compilation.planned is None
+    assert [d.key for d in compilation.plan().destinations] == ["v"]
+    with pytest.raises(TypeError, match="at least through propagate_shapes"):
+        analyze("w -> v", {"w": sharded("w", (4,), 1, 0)}, None, passes=through(expand_macros))
