@@ -349,3 +349,22 @@ def test_demo_converts_and_comes_back(capsys):
     assert demo.run() == 0
     out = capsys.readouterr().out
     assert "all bytes identical" in out and "every tensor byte-identical" in out
+
+
+def test_the_output_format_is_one_argument(hf, tmp_path, capsys):
+    """Paddle FlexCheckpoint files instead of sharded safetensors, and back."""
+    folder, tensors = hf
+    round_trip_steps = (["--to", "paddleformers", "--tp", "2", "--output-format", "paddle"],
+                        ["--to", "hf"])
+    source = folder
+    for index, extra in enumerate(round_trip_steps):
+        status, _, err = run("convert", "--source", str(source), "--output",
+                             str(tmp_path / f"out{index}"), *extra, "--quiet", capsys=capsys)
+        assert status == 0, err
+        source = tmp_path / f"out{index}"
+    assert (tmp_path / "out0" / "0.metadata").is_file()
+    record = json.loads((tmp_path / "out0" / "aoa-conversion.json").read_text())
+    assert record["format"] == "paddle"
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
