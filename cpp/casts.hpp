@@ -19,7 +19,7 @@
 
 namespace aoa {
 
-// Codes shared with python/aoa/runtime/cpp_backend.py (DTYPE_CODES).
+// Codes of the kernel table; exported by name as aoa._core.DTYPE_CODES, which Python reads.
 enum class Dtype : int64_t {
   float64 = 0,
   float32 = 1,

@@ -1,5 +1,6 @@
 // The kernel: many N-d strided byte-region copies, each with an optional fused cast,
-// spread over threads. Plain C++; the Python binding is cpp/bindings.cpp.
+// spread over threads (thread_pool.hpp); SIMD transposes in transpose_blocks.hpp. Plain
+// C++; the Python binding is cpp/bindings.cpp, its types in python/aoa/_core.pyi.
 #pragma once
 
 #include <cstdint>

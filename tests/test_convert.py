@@ -180,32 +180,31 @@ def no_partial_files(folder: Path) -> bool:
     return not folder.exists() or not any(folder.iterdir())
 
 
-def test_unknown_key_in_mapping_is_an_error(workspace, capsys):
+def _unknown_key(workspace):
     hf_single(workspace / "src", tensors())
-    (workspace / "bad.aoa").write_text("a.0.gate -> x\nmissing.key -> y\n")
-    assert main(["convert", str(workspace / "bad.aoa"), "--source", str(workspace / "src"),
-                 "--output", str(workspace / "out"), "--quiet"]) == 1
-    err = capsys.readouterr().err
-    assert "bad.aoa:2:1: error: 'missing.key' is neither a source key nor assigned before" in err
-    assert no_partial_files(workspace / "out")
+    (workspace / "map.aoa").write_text("a.0.gate -> x\nmissing.key -> y\n")
+    return "map.aoa:2:1: error: 'missing.key' is neither a source key nor assigned before"
 
 
-def test_missing_shard_file_is_an_error(workspace, capsys):
+def _missing_shard_file(workspace):
     hf_index(workspace / "src", tensors())
     (workspace / "src" / "model-00002-of-00002.safetensors").unlink()
-    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
-                 "--output", str(workspace / "out"), "--quiet"]) == 1
-    assert "model-00002-of-00002.safetensors" in capsys.readouterr().err
-    assert no_partial_files(workspace / "out")
+    return "model-00002-of-00002.safetensors"
 
 
-def test_truncated_source_is_an_error(workspace, capsys):
+def _truncated_source(workspace):
     hf_single(workspace / "src", tensors())
     path = workspace / "src" / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-10])
+    return "model.safetensors: tensor 'a.0.norm': truncated"
+
+
+@pytest.mark.parametrize("make", [_unknown_key, _missing_shard_file, _truncated_source])
+def test_bad_input_is_an_error_and_writes_nothing(workspace, capsys, make):
+    fragment = make(workspace)
     assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
                  "--output", str(workspace / "out"), "--quiet"]) == 1
-    assert "model.safetensors" in capsys.readouterr().err
+    assert fragment in capsys.readouterr().err
     assert no_partial_files(workspace / "out")
 
 

@@ -217,55 +217,47 @@ def test_torch_strided_tensor_and_grad(small):
 # -- errors --------------------------------------------------------------------------------
 
 
-def test_buffer_for_a_key_the_mapping_does_not_make(small):
-    folder, expected = small
-    into = empty_like(expected)
+def _renamed(into):
     into["wtt"] = into.pop("wt")
-    with pytest.raises(aoa.ValidationError) as error:
-        aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == "'wtt' has a buffer, but the mapping makes no tensor of that name"
-    assert error.value.hint == "Did you mean 'wt'?"
 
 
-def test_tensor_the_mapping_makes_without_a_buffer(small):
-    folder, expected = small
-    into = empty_like(expected)
+def _without_c2(into):
     del into["c2"]
-    with pytest.raises(aoa.ValidationError) as error:
-        aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == "the mapping makes 'c2', but no buffer is given for it"
 
 
-def test_wrong_shape(small):
-    folder, expected = small
-    into = empty_like(expected)
+def _transposed(into):
     into["wt"] = np.zeros((3, 5), np.float32)
-    with pytest.raises(aoa.ValidationError) as error:
-        aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == (
-        "the buffer for 'wt' has shape [3, 5], but the mapping makes [5, 3]")
 
 
-def test_wrong_global_shape_of_a_shard(small):
-    folder, expected = small
-    into: dict[str, object] = empty_like(expected)
+def _shards_of_a_wider_tensor(into):
     into["wt"] = [aoa.Shard(np.zeros((5, 2), np.float32), (5, 4), (0, 0)),
                   aoa.Shard(np.zeros((5, 2), np.float32), (5, 4), (0, 2))]
-    with pytest.raises(aoa.ValidationError) as error:
-        aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == (
-        "the buffer for 'wt' is a shard of global shape [5, 4], but the mapping makes [5, 3]")
 
 
-def test_wrong_dtype(small):
-    folder, expected = small
-    into = empty_like(expected)
+def _bfloat16(into):
     into["hf"] = np.zeros(8, ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize(("change", "message", "hint"), [
+    (_renamed, "'wtt' has a buffer, but the mapping makes no tensor of that name",
+     "Did you mean 'wt'?"),
+    (_without_c2, "the mapping makes 'c2', but no buffer is given for it", None),
+    (_transposed, "the buffer for 'wt' has shape [3, 5], but the mapping makes [5, 3]", None),
+    (_shards_of_a_wider_tensor,
+     "the buffer for 'wt' is a shard of global shape [5, 4], but the mapping makes [5, 3]",
+     None),
+    (_bfloat16, "the buffer for 'hf' is bfloat16, but the mapping makes float32",
+     "Give a float32 buffer, or cast in the mapping: `... -> hf, dtype='bfloat16'`."),
+], ids=["unknown-key", "missing-buffer", "wrong-shape", "wrong-global-shape", "wrong-dtype"])
+def test_buffers_that_disagree_with_the_mapping(small, change, message, hint):
+    folder, expected = small
+    into: dict[str, object] = empty_like(expected)
+    change(into)
     with pytest.raises(aoa.ValidationError) as error:
         aoa.load(MAPPING, source=folder, into=into, progress=False)
-    assert error.value.message == "the buffer for 'hf' is bfloat16, but the mapping makes float32"
-    assert error.value.hint == (
-        "Give a float32 buffer, or cast in the mapping: `... -> hf, dtype='bfloat16'`.")
+    assert error.value.message == message
+    if hint is not None:
+        assert error.value.hint == hint
 
 
 def test_shard_past_its_global_shape(small):

@@ -4,12 +4,20 @@ suffixes that let optimizer tensors follow their parameter (spec 1.1, 1.2)."""
 from __future__ import annotations
 
 import functools
+import itertools
+import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import Protocol
 
-from aoa.dtypes import itemsize
-from aoa.errors import UsageError
+import numpy as np
+
+from aoa.dtypes import NUMPY_DTYPES, is_known, itemsize
+from aoa.errors import UsageError, quote
+from aoa.inputs import is_text
+from aoa.limits import shape_problem
 
 #: Paddle's OPTIMIZER_STATE_NAME, in the order `split_optimizer_suffix` tries them.
 OPTIMIZER_SUFFIXES = (".w_0", ".moment1_0", ".moment2_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0")
@@ -29,11 +37,12 @@ class ShardDesc:
     dtype: str | None = None
 
     def __post_init__(self) -> None:
-        """Boxes become tuples and are checked once, here, so passes can trust them."""
-        for field_name in ("local_shape", "global_shape", "global_offset"):
-            value = getattr(self, field_name)
-            if not isinstance(value, tuple):
-                object.__setattr__(self, field_name, tuple(int(v) for v in value))
+        """Boxes become tuples of ints and are checked once, here, so passes can trust
+        them: a description that is not one is a UsageError naming its key."""
+        boxes = (self.local_shape, self.global_shape, self.global_offset)
+        if not all(type(box) is tuple and all(type(n) is int for n in box) for box in boxes):
+            for field_name, box in zip(_BOX_FIELDS, boxes):
+                object.__setattr__(self, field_name, _as_box(self.key, field_name, box))
         _check_shard(self)
 
     @property
@@ -52,8 +61,15 @@ class ShardDesc:
 
     @classmethod
     def from_json(cls, data: Mapping) -> ShardDesc:
-        return cls(data["key"], tuple(data["local_shape"]), tuple(data["global_shape"]),
-                   tuple(data["global_offset"]), data.get("dtype"))
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a shard description is an object with key, local_shape, "
+                             f"global_shape and global_offset, not {quote(data)}")
+        missing = [name for name in ("key", *_BOX_FIELDS) if name not in data]
+        if missing:
+            raise UsageError(f"shard description {quote(dict(data))} lacks "
+                             + ", ".join(missing))
+        return cls(data["key"], data["local_shape"], data["global_shape"],
+                   data["global_offset"], data.get("dtype"))
 
     @classmethod
     def full(cls, key: str, shape: Sequence[int], dtype: str | None = None) -> ShardDesc:
@@ -95,12 +111,18 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
     case.json-style dicts; check each description's key and box."""
     if info is None:
         return None
+    if not isinstance(info, Mapping):
+        raise UsageError(f"{what} shard info must map keys to lists of shards, not "
+                         f"{quote(info)}")
     result: dict[str, list[ShardDesc]] = {}
     for key, shards in info.items():
         converted = [as_shard(shard) for shard in _as_list(shards)]
+        if not converted:
+            raise UsageError(f"{what} shard info lists no shard of {quote(key)}")
         for shard in converted:
             if shard.key != key:
-                raise UsageError(f"{what} shard listed under '{key}' describes '{shard.key}'")
+                raise UsageError(f"{what} shard listed under {quote(key)} describes "
+                                 f"{quote(shard.key)}")
         result[key] = converted
     return result
 
@@ -115,23 +137,138 @@ def as_shard(shard) -> ShardDesc:
         return shard
     if isinstance(shard, Mapping):
         return ShardDesc.from_json(shard)
-    return ShardDesc(shard.key, tuple(shard.local_shape), tuple(shard.global_shape),
-                     tuple(shard.global_offset), getattr(shard, "dtype", None))
+    missing = [name for name in ("key", *_BOX_FIELDS) if not hasattr(shard, name)]
+    if missing:
+        raise UsageError(f"{quote(shard)} is not a shard description: it has no "
+                         + ", ".join(missing))
+    return ShardDesc(shard.key, shard.local_shape, shard.global_shape, shard.global_offset,
+                     getattr(shard, "dtype", None))
+
+
+_BOX_FIELDS = ("local_shape", "global_shape", "global_offset")
+
+
+def _as_box(key: object, field_name: str, box: object) -> tuple[int, ...]:
+    """``box`` as a tuple of ints (numpy integers too; not floats, strings or bools)."""
+    try:
+        if isinstance(box, (str, bytes)) or not isinstance(box, Iterable):
+            raise TypeError
+        values = tuple(box)
+        if any(isinstance(n, bool) for n in values):
+            raise TypeError
+        return tuple(operator.index(n) for n in values)
+    except TypeError:
+        raise UsageError(f"shard of {quote(key)}: {field_name} {quote(box)} is not a list of "
+                         "integers") from None
 
 
 def _check_shard(shard: ShardDesc) -> None:
     key = shard.key
     offsets, sizes, totals = shard.global_offset, shard.local_shape, shard.global_shape
+    if not isinstance(key, str) or not is_text(key):
+        raise UsageError(f"a shard's key must be a text, not {quote(key)}")
+    if shard.dtype is not None and not (isinstance(shard.dtype, str) and is_known(shard.dtype)):
+        raise UsageError(f"shard of '{key}' has dtype {quote(shard.dtype)}, which aoa does not "
+                         f"know", hint="Known dtypes: " + ", ".join(NUMPY_DTYPES) + ".")
     if len(offsets) == len(sizes) == len(totals) and all(
             o >= 0 and n >= 0 and o + n <= t for o, n, t in zip(offsets, sizes, totals)):
-        return
+        problem = shape_problem(totals, itemsize(shard.dtype or "float32"))
+        if problem is None:
+            return
+        raise UsageError(f"shard of '{key}': its global shape {quote(list(totals))} {problem}")
     rank = len(shard.global_shape)
     if len(shard.local_shape) != rank or len(shard.global_offset) != rank:
-        raise UsageError(f"shard of '{key}' has local shape {list(shard.local_shape)}, "
-                         f"global shape {list(shard.global_shape)} and offset "
-                         f"{list(shard.global_offset)} of different ranks")
+        raise UsageError(f"shard of '{key}' has local shape {quote(list(shard.local_shape))}, "
+                         f"global shape {quote(list(shard.global_shape))} and offset "
+                         f"{quote(list(shard.global_offset))} of different ranks")
     for axis, (offset, size, total) in enumerate(
             zip(shard.global_offset, shard.local_shape, shard.global_shape)):
         if offset < 0 or size < 0 or offset + size > total:
             raise UsageError(f"shard of '{key}' reaches past its global shape on axis "
                              f"{axis}: offset {offset} + size {size} > {total}")
+
+
+# -- box arithmetic over shards: replicas, coverage, overlaps ------------------------------
+
+#: Above this many boundary-grid cells (irregular boxes), compare boxes pairwise instead.
+_MAX_GRID_CELLS = 1 << 22
+
+
+class _Box(Protocol):
+    @property
+    def global_offset(self) -> tuple[int, ...]: ...
+    @property
+    def local_shape(self) -> tuple[int, ...]: ...
+
+
+def distinct_boxes(shards: Sequence[_Box]) -> list[int]:
+    """Positions of the distinct boxes among ``shards``, in order: a replica (the same box
+    listed again, as every rank of a data-parallel group saves it) counts once, at its
+    first listing."""
+    first: dict[tuple, int] = {}
+    for position, shard in enumerate(shards):
+        first.setdefault((shard.global_offset, shard.local_shape), position)
+    return list(first.values())
+
+
+def elements(shards: Iterable[_Box]) -> int:
+    """Elements the boxes hold together, counted box by box (overlaps counted twice)."""
+    return sum(prod(shard.local_shape) for shard in shards)
+
+
+def overlapping_pair(shards: Sequence[_Box]) -> tuple[int, int] | None:
+    """Positions of two boxes that share an element, if any."""
+    if len(shards) < 2:
+        return None
+    ndim = len(shards[0].global_offset)
+    starts = np.array([s.global_offset for s in shards], np.int64).reshape(len(shards), ndim)
+    ends = starts + np.array([s.local_shape for s in shards], np.int64).reshape(starts.shape)
+    return _overlapping_boxes(starts, ends)
+
+
+def _overlapping_boxes(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+    """Two boxes [start, end) that share an element, if any.
+
+    Counted on the grid of all box boundaries: a cell between consecutive boundaries is
+    wholly inside a box or wholly outside, so a cell inside two boxes is an overlap. The
+    counts come from a difference array (+1/-1 at each box's corners, then a cumulative sum
+    per axis), in time linear in boxes and cells; irregular boxes fall back to pairs.
+    """
+    count, ndim = starts.shape
+    if count < 2:
+        return None
+    if ndim == 0:
+        return (0, 1)
+    bounds = [np.unique(np.concatenate([starts[:, a], ends[:, a]])) for a in range(ndim)]
+    if math.prod(len(b) - 1 for b in bounds) > _MAX_GRID_CELLS:
+        return _overlapping_boxes_pairwise(starts, ends)
+    low = [np.searchsorted(bounds[a], starts[:, a]) for a in range(ndim)]
+    high = [np.searchsorted(bounds[a], ends[:, a]) for a in range(ndim)]
+    cells = np.zeros([len(b) for b in bounds], np.int32)
+    for corner in itertools.product((False, True), repeat=ndim):
+        index = tuple(high[a] if up else low[a] for a, up in enumerate(corner))
+        np.add.at(cells, index, -1 if sum(corner) % 2 else 1)
+    for axis in range(ndim):
+        cells = np.cumsum(cells, axis=axis)
+    crowded = np.argwhere(cells > 1)
+    if not len(crowded):
+        return None
+    point = np.array([bounds[a][crowded[0][a]] for a in range(ndim)])
+    inside = np.flatnonzero(((starts <= point) & (point < ends)).all(axis=1))
+    return int(inside[0]), int(inside[1])
+
+
+def _overlapping_boxes_pairwise(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+    """The same answer by comparing each box with every later one, a block at a time."""
+    for first in range(0, len(starts), 256):
+        block = slice(first, first + 256)
+        inner = np.minimum(ends[block, None], ends[None]) > np.maximum(
+            starts[block, None], starts[None]
+        )
+        shared = inner.all(axis=2) & (
+            np.arange(len(starts))[None] > np.arange(first, first + len(inner))[:, None]
+        )
+        if shared.any():
+            i, j = np.argwhere(shared)[0]
+            return first + int(i), int(j)
+    return None

@@ -173,7 +173,7 @@ def test_overlap_inside_a_grid_of_chunks(tmp_path: Path, monkeypatch) -> None:
         f"[3, 4] in {tmp_path / 'extra.safetensors'}"
     )
     assert storage_error(open_source, tmp_path) == expected
-    monkeypatch.setattr("aoa.storage.chunks.MAX_GRID_CELLS", 0)  # the pairwise path
+    monkeypatch.setattr("aoa.layout._MAX_GRID_CELLS", 0)  # the pairwise path
     assert storage_error(open_source, tmp_path) == expected
     (tmp_path / "extra.safetensors").unlink()
     with open_source(tmp_path) as checkpoint:
@@ -211,19 +211,16 @@ def test_chunks_that_leave_a_hole(tmp_path: Path) -> None:
     )
 
 
-def test_bad_sharding_info(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("info", "fragment"), [
+    ("{", "DCP_SHARDING_INFO is not JSON"),
+    ('{"v": {"saved_offsets": [0]}}', "DCP_SHARDING_INFO names tensor 'v', which the file"),
+    ('{"w": {"saved_offsets": [0]}}',
+     "DCP_SHARDING_INFO: tensor 'w' has saved_offsets [0], not 2 non-negative integers"),
+])
+def test_bad_sharding_info(tmp_path: Path, info: str, fragment: str) -> None:
     path = tmp_path / "a.safetensors"
-    cases = [
-        ("{", "DCP_SHARDING_INFO is not JSON"),
-        ('{"v": {"saved_offsets": [0]}}', "DCP_SHARDING_INFO names tensor 'v', which the file"),
-        (
-            '{"w": {"saved_offsets": [0]}}',
-            "DCP_SHARDING_INFO: tensor 'w' has saved_offsets [0], not 2 non-negative integers",
-        ),
-    ]
-    for info, fragment in cases:
-        save_file({"w": arange(2, 2)}, path, metadata={"DCP_SHARDING_INFO": info})
-        assert storage_error(open_source, tmp_path).startswith(f"{path}: {fragment}")
+    save_file({"w": arange(2, 2)}, path, metadata={"DCP_SHARDING_INFO": info})
+    assert storage_error(open_source, tmp_path).startswith(f"{path}: {fragment}")
 
 
 def test_folder_without_files_and_missing_path(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from math import prod
 
 from aoa.errors import AoaError, UsageError, ValidationError
 from aoa.jobs.job import Job, ShardInfo, outputs, plan_job
-from aoa.layout import ShardDesc, split_optimizer_suffix
+from aoa.layout import ShardDesc, distinct_boxes, elements, split_optimizer_suffix
 from aoa.mapping import MappingText, as_mapping
 from aoa.plan import Plan
 from aoa.runtime.buffers import Adapted, DeviceBuffer, HostBuffer, adapt
@@ -195,8 +195,7 @@ def _check_coverage(destination: Mapping[str, Sequence[ShardDesc]], ranks: bool)
     """The buffers of each key, together, cover its global tensor: the destination layout
     is all of them, and its shard counts decide fused layouts (fused_qkv, fused_ffn)."""
     for key, shards in destination.items():
-        boxes = {(s.global_offset, s.local_shape) for s in shards}  # replicas count once
-        covered = sum(prod(shape) for _, shape in boxes)
+        covered = elements([shards[i] for i in distinct_boxes(shards)])  # replicas once
         total = prod(shards[0].global_shape)
         if covered < total:
             where = "all ranks' buffers" if ranks else "the buffers"

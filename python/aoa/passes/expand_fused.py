@@ -11,7 +11,8 @@ import functools
 from math import lcm
 
 from aoa.errors import MacroError
-from aoa.ir import Attribute, Name, Program, Statement
+from aoa.ir import NOTHING, Attribute, Name, Program, Statement
+from aoa.limits import MAX_MACRO_NAMES
 from aoa.passes.context import CompileContext
 from aoa.passes.resolve_chains import ChainedProgram, Chains
 from aoa.source import Span
@@ -62,6 +63,11 @@ class _Fuser:
             raise MacroError(f"one statement cannot use both {flags[0].key} and "
                              f"{flags[1].key}", flags[1].span)
         flag = flags[0]
+        for name in (*statement.left, *statement.right):
+            if name.base == NOTHING:
+                raise MacroError(f"{flag.key} cannot take '{NOTHING}' (nothing) as a tensor",
+                                 name.span, hint=f"Drop a fused tensor with a statement of "
+                                                 f"its own: `fused -> {NOTHING}`.")
         for attribute in renamed.attributes:
             if attribute.key not in _ALLOWED[flag.key]:
                 raise MacroError(
@@ -152,6 +158,10 @@ class _Fuser:
             if value <= 0:
                 raise MacroError(f"{key} must be positive (got {value})",
                                  self._span_of_attribute(statement, key))
+            if value > MAX_MACRO_NAMES:
+                raise MacroError(f"{key}={value} is more than {MAX_MACRO_NAMES}",
+                                 self._span_of_attribute(statement, key),
+                                 hint=f"{flag.key} makes one piece per head.")
         if heads % groups:
             raise MacroError(f"num_heads ({heads}) must be divisible by num_key_value_groups "
                              f"({groups})", self._span_of_attribute(statement, "num_heads"),
@@ -169,6 +179,13 @@ class _Fuser:
             src_shards = self._count(written, written.left[0])
             dst_shards = self._count(written, written.right[0]) if len(s.right) == 1 else 1
             pieces = lcm(src_shards, dst_shards)
+            if pieces > MAX_MACRO_NAMES:
+                raise MacroError(
+                    f"the {src_shards} source and {dst_shards} destination shards of "
+                    f"'{source.text}' would cut it into {pieces} pieces, more than "
+                    f"{MAX_MACRO_NAMES}", span,
+                    hint="fused_ffn cuts the tensor into the least common multiple of the "
+                         "two shard counts.")
             out = [self._make(s, "fused_ffn", [source], layout(src_shards, pieces), axis, span)]
             if len(s.right) == 1:
                 out.append(self._make(s, "fused_ffn", layout(dst_shards, pieces), [s.right[0]],

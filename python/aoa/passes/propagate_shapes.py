@@ -9,14 +9,15 @@ what the plan pass reads.
 
 from __future__ import annotations
 
-import ast
+import re
 from collections.abc import Sequence
 
 from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS
-from aoa.errors import ShapeError, ValidationError
+from aoa.errors import ShapeError, ValidationError, quote
 from aoa.ir import NOTHING, Attribute, Name, Program, SharedInstances, Statement
 from aoa.layout import split_optimizer_suffix
+from aoa.limits import MAX_NUMBER_DIGITS, MAX_PIECES
 from aoa.passes.context import CompileContext
 from aoa.symbolic import InputTensors, Permute, SymbolicTensors, Tensor
 
@@ -36,12 +37,12 @@ def split(tensor: Tensor, axis: int, parts: int) -> list[Tensor]:
 
 def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
     offsets: list[int] = []
-    keys: tuple[str, ...] = ()
+    keys: list[str] = []
     for tensor in tensors:
         offsets.append(len(keys))
         keys += tensor.keys
         tensor.uses += 1
-    return Tensor(symbolic.concat([t.piece_map for t in tensors], offsets, axis), keys,
+    return Tensor(symbolic.concat([t.piece_map for t in tensors], offsets, axis), tuple(keys),
                   tensors[0].dtype)
 
 
@@ -132,6 +133,8 @@ class _Machine:
                              f"{axis}", statement.span, statement,
                              hint=f"The size {source.shape[axis]} must be a multiple of "
                                   f"{len(right)}.")
+            self.check_pieces(symbolic.split_pieces(source.piece_map, axis, len(right)),
+                              statement)
             for name, part in zip(right, split(source, axis, len(right))):
                 self.bind(name, part, statement)
             return
@@ -139,6 +142,7 @@ class _Machine:
             tensors = [self.ref(name, statement) for name in left]
             axis = self.axis(statement, tensors[0], attributes)
             self.check_concat(statement, left, tensors, axis)
+            self.check_pieces(sum(len(t.piece_map.pieces) for t in tensors), statement)
             self.bind(right[0], concat(tensors, axis), statement)
             return
         (source_name,), (target,) = left, right
@@ -153,6 +157,14 @@ class _Machine:
             self.bind(target, identity(source), statement)
             return
         self.bind(target, self.unary(statement, source, attributes), statement)
+
+    @staticmethod
+    def check_pieces(count: int, statement: Statement) -> None:
+        if count > MAX_PIECES:
+            raise _error(ShapeError, f"the result would be made of {count} pieces of source "
+                         f"tensors, more than {MAX_PIECES}", statement.span, statement,
+                         hint="Each concat adds up the pieces of its inputs, and each split "
+                              "cuts the pieces it crosses.")
 
     def check_concat(self, statement, names, tensors, axis) -> None:
         first = tensors[0]
@@ -219,13 +231,9 @@ class _Machine:
         if text == "[]":
             axes = tuple(range(rank - 1, -1, -1))
             return Permute(axes, str(list(axes)))
-        try:
-            value = ast.literal_eval(text) if isinstance(text, str) else None
-        except (ValueError, SyntaxError):
-            value = None
-        if (not isinstance(value, list) or sorted(value) != list(range(rank))
-                or not all(isinstance(v, int) for v in value)):
-            raise _error(ValidationError, f"permute={text!r} is not a permutation of the "
+        value = _axis_list(text)
+        if value is None or sorted(value) != list(range(rank)):
+            raise _error(ValidationError, f"permute={quote(text)} is not a permutation of the "
                          f"{rank} axes of '{source.name}' (shape {list(source.shape)})",
                          attribute.span, statement,
                          hint=f"List each axis 0..{rank - 1} once, e.g. "
@@ -237,6 +245,21 @@ class _Machine:
                 inverse[a] = i
             return Permute(tuple(inverse), str(inverse))
         return Permute(axes, text)
+
+
+_AXIS = rf"\d{{1,{MAX_NUMBER_DIGITS}}}"
+_AXIS_LIST = re.compile(rf"\[\s*(?:({_AXIS}(?:\s*,\s*{_AXIS})*)\s*,?)?\s*\]")
+
+
+def _axis_list(text: str) -> list[int] | None:
+    """The axes of `permute='[1, 0, 2]'` (a Python list of non-negative integers), or None.
+
+    Read with a pattern rather than ast.literal_eval, which takes any literal: nested lists,
+    strings, numbers of any size, with a RecursionError for a deep one."""
+    match = _AXIS_LIST.fullmatch(text.strip())
+    if match is None:
+        return None
+    return [int(axis) for axis in match.group(1).split(",")] if match.group(1) else []
 
 
 def select_outputs(state: SymbolicTensors, ctx: CompileContext) -> None:

@@ -43,6 +43,12 @@ fsyncs it, and renames all files of the call into place together; a failure (a f
 rename) removes every file of the call, so the folder holds nothing of it. ``commit`` writes
 the index, where the format has one.
 
+**A new format** is a module named in `FORMAT_MODULES` whose ``FORMAT`` is a `Format`: a
+`Source` subclass (a sharded format builds each key's shards with
+`aoa.storage.chunks.key_shards`, which checks replicas and tiling), a `Destination`
+subclass (or None for a read-only format) that keeps today's all-or-nothing rule, and a
+cheap ``claims``. Nothing outside the module changes.
+
 **Formats by name** (`--source-format` / `--output-format`): ``safetensors`` (Hugging Face
 folders), ``dcp-safetensors`` (safetensors files with PyTorch DCP's ``DCP_SHARDING_INFO``,
 one file per rank), ``paddle`` (FlexCheckpoint ``.distcp``), ``dcp`` (PyTorch DCP),
