@@ -507,15 +507,18 @@ class Blocks(Builder):
         axis = self.draw(st.sampled_from([0, 1]))
         shards = self.writes_count() or self.count()
         half, other = shards * self.draw(st.integers(1, 2)), self.draw(st.integers(1, 3))
-        shape = self.fused_shape(axis, half, other)
-        (gate, g, see_g), (up, u, see_u) = self.part(shape), self.part(shape)
+        # a forward merge over one shard is the halves' plain concat, of any sizes
+        up_half = (self.draw(st.integers(1, 3)) if shards == 1 and not self.program.reverse
+                   else half)
+        (gate, g, see_g) = self.part(self.fused_shape(axis, half, other))
+        (up, u, see_u) = self.part(self.fused_shape(axis, up_half, other))
         out = self.out()
         self.emit(f"{gate}, {up} -> {out[0]}, fused_ffn{axis_attribute(self.draw, axis)}",
                   Op((g, u), (out[0],),
                      lambda a: [ffn_fuse(see_g(a[0]), see_u(a[1]), shards, axis)],
                      lambda a: [f(x) for f, x in zip((see_g, see_u),
                                                      ffn_unfuse(a[0], shards, axis))]))
-        self.finish(out, self.fused_shape(axis, 2 * half, other), shards=shards)
+        self.finish(out, self.fused_shape(axis, half + up_half, other), shards=shards)
 
     def ffn_split(self) -> None:
         axis = self.draw(st.sampled_from([0, 1]))
@@ -633,8 +636,11 @@ class Blocks(Builder):
         shards = self.writes_count() or self.count()
         heads, groups, head = self.heads(shards)
         other = self.draw(st.integers(1, 2))
-        parts = [self.part(self.fused_shape(axis, n * head, other))
-                 for n in (heads, groups, groups)]
+        sizes = [n * head for n in (heads, groups, groups)]
+        if shards == 1 and not self.program.reverse and self.draw(st.booleans()):
+            # over one shard: the parts' plain concat, in any proportion
+            sizes = [self.draw(st.integers(1, 6)) for _ in range(3)]
+        parts = [self.part(self.fused_shape(axis, size, other)) for size in sizes]
         (q, k, v) = (p[0] for p in parts)
         sees = [p[2] for p in parts]
         out = self.out()
@@ -645,8 +651,7 @@ class Blocks(Builder):
                                              shards, axis)],
                      lambda a: [f(x) for f, x in zip(sees, qkv_old_unfuse(
                          a[0], heads, groups, shards, axis))]))
-        self.finish(out, self.fused_shape(axis, (heads + 2 * groups) * head, other),
-                    shards=shards)
+        self.finish(out, self.fused_shape(axis, sum(sizes), other), shards=shards)
 
     def qkv_old_split(self) -> None:
         axis = self.draw(st.sampled_from([0, 1]))
