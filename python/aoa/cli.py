@@ -290,8 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("mapping", nargs="?",
                          help="AOA statements (.aoa, or JSON); or name a target with --to")
     convert.add_argument("--source", required=True,
-                         help="source checkpoint: a file or folder (Hugging Face safetensors, "
-                              "or sharded with DCP_SHARDING_INFO)")
+                         help="source checkpoint: a folder or file (safetensors, Paddle, "
+                              "PyTorch DCP, Megatron torch_dist, pytorch_model.bin; of several "
+                              "Paddle saves in one folder, give the chosen {n}.metadata)")
     convert.add_argument("--source-format", metavar="FORMAT",
                          help="the source's format (default: detected from its contents): "
                               + ", ".join(FORMAT_NAMES))
