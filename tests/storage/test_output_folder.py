@@ -71,7 +71,7 @@ def test_a_rank_that_finished_leaves_its_files_for_rank_0(tmp_path: Path) -> Non
     early.mark_done()
     early.release()
     assert sorted(os.listdir(tmp_path / STAGING_NAME)) == [
-        "done-rank-00001-of-00002", "owner", "rank-1"]
+        ".aoa-done-rank-00001-of-00002", ".aoa-owner", "rank-1"]
     late = folder(tmp_path)
     late.open(Sharing("a", 0, 2))
     late.wait_for_ranks(poll_seconds=0.01, timeout=1)
@@ -103,7 +103,7 @@ def test_a_failing_rank_removes_only_its_own_files(tmp_path: Path) -> None:
     ranks[1].mark_done()
     ranks[0].abort()
     assert sorted(os.listdir(tmp_path / STAGING_NAME)) == [
-        "done-rank-00001-of-00002", "owner", "rank-1"]
+        ".aoa-done-rank-00001-of-00002", ".aoa-owner", "rank-1"]
     ranks[1].abort()  # the last one out: nothing of the conversion is left
     assert os.listdir(tmp_path) == []
 
@@ -114,7 +114,7 @@ def test_staging_left_by_a_killed_run_is_cleared(tmp_path: Path) -> None:
     (tmp_path / LOCK_NAME).write_text('{"pid": 1}')
     output = folder(tmp_path)
     output.open()
-    assert os.listdir(tmp_path / STAGING_NAME) == ["owner"]
+    assert os.listdir(tmp_path / STAGING_NAME) == [".aoa-owner"]
     stage(output, "model.safetensors", b"whole")
     output.publish(["model.safetensors"], [])
     output.release()
@@ -142,7 +142,7 @@ def test_a_folder_holding_a_checkpoint_is_refused_before_anything(tmp_path: Path
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
 
 
-@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden"])
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ".aoa-owner"])
 def test_staged_names_stay_inside(tmp_path: Path, name: str) -> None:
     output = folder(tmp_path)
     output.open()
@@ -185,6 +185,6 @@ def test_a_killed_holder_frees_the_folder(tmp_path: Path) -> None:
         except StorageError:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    assert os.listdir(tmp_path / STAGING_NAME) == ["owner"]
+    assert os.listdir(tmp_path / STAGING_NAME) == [".aoa-owner"]
     output.release()
     assert os.listdir(tmp_path) == []

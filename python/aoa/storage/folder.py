@@ -1,8 +1,8 @@
 """The output folder every destination format writes into: locked, staged, published at once.
 
     out/.aoa-lock            taken by each process writing into ``out``, for as long as it does
-    out/.aoa-staging/        the files being written, under their final names; ``owner`` says
-                             whose they are, ``done-rank-*`` which ranks have finished theirs
+    out/.aoa-staging/        the files being written, under their final names; ``.aoa-owner``
+                             says whose they are, ``.aoa-done-rank-*`` which ranks are done
 
 **One conversion at a time.** A process writing alone holds the lock exclusively; a second
 `aoa convert` into the same folder is refused at once, with the first one's process id.
@@ -46,7 +46,9 @@ from aoa.errors import StorageError
 
 LOCK_NAME = ".aoa-lock"
 STAGING_NAME = ".aoa-staging"
-_OWNER_NAME = "owner"
+_OWNER_NAME = ".aoa-owner"
+#: Names aoa keeps for itself: no checkpoint file is called so.
+_RESERVED = ".aoa-"
 
 # Bytes of the lock file locked as separate locks: a brief guard around every change of
 # state, the holders (exclusive: one process alone; shared: the ranks of one conversion),
@@ -195,7 +197,7 @@ class OutputFolder:
         process's, to remove on failure)."""
         if self._lock is None:
             raise StorageError(f"{self.folder}: the output folder is not open for writing")
-        if Path(name).name != name or name.startswith("."):
+        if Path(name).name != name or name in (".", "..") or name.startswith(_RESERVED):
             raise StorageError(f"{self.folder}: '{name}' is not a file name for the output")
         path = self.staging / name
         self._staged.append(path)
@@ -226,7 +228,7 @@ class OutputFolder:
 
     def _marker(self, rank: int) -> Path:
         assert self.sharing is not None
-        return self.staging / f"done-rank-{rank:05d}-of-{self.sharing.world_size:05d}"
+        return self.staging / f"{_RESERVED}done-rank-{rank:05d}-of-{self.sharing.world_size:05d}"
 
     def publish(self, data: Sequence[str], last: Sequence[str]) -> None:
         """Move the staged files ``data`` into the folder, then ``last`` (an index, metadata),
