@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aoa.errors import AoaError, UsageError
-from aoa.mapping import read_mapping, read_shard_info
+from aoa.mapping import read_mapping, read_shard_info, read_source_shards
 from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
 from aoa.passes.context import CompileContext
 from aoa.passes.parse import texts
@@ -24,7 +24,7 @@ EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
 def _compilation(args, passes: Sequence[Pass] = PIPELINE) -> Compilation:
     statements, reverse, file = read_mapping(args.mapping)
-    return analyze(statements, read_shard_info(args.source, "source") or {},
+    return analyze(statements, read_source_shards(args.source, args.source_format),
                    read_shard_info(args.destination, "destination"),
                    reverse=reverse or args.reverse, file=file, passes=passes)
 
@@ -79,7 +79,7 @@ def _explain_passes(args) -> int:
             printer.print_ir(ir)
 
     statements, reverse, file = read_mapping(args.mapping)
-    ctx = new_context(read_shard_info(args.source, "source") or {},
+    ctx = new_context(read_source_shards(args.source, args.source_format),
                       read_shard_info(args.destination, "destination"),
                       reverse or args.reverse)
     try:
@@ -158,7 +158,12 @@ def cmd_demo(args) -> int:
 def _add_program_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("mapping", help="AOA statements: a .aoa file, or JSON (a list of "
                                         "statements or Paddle's aoa_config)")
-    parser.add_argument("--source", required=True, help="source shard info (JSON)")
+    parser.add_argument("--source", required=True,
+                        help="the source: a checkpoint, as for convert (a file or folder), or "
+                             "its shard info (JSON)")
+    parser.add_argument("--source-format", metavar="FORMAT",
+                        help="the source checkpoint's format (default: detected from its "
+                             "contents): " + ", ".join(FORMAT_NAMES))
     parser.add_argument("--destination", help="destination shard info (JSON); without it "
                                               "the outputs are derived, as in a full export")
     parser.add_argument("--reverse", action="store_true",

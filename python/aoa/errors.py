@@ -9,9 +9,35 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
+from typing import Any
 
 from aoa.source import Span
+
+
+class _Quote(reprlib.Repr):
+    """reprlib's short repr, also of integers too long to print (Python refuses past 4300
+    digits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxdict = 3, 6, 4
+        self.maxstring = self.maxother = self.maxlong = 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 200:
+            digits = int(x.bit_length() * 0.30103)  # log10(2)
+            return f"{'-' if x < 0 else ''}<an integer of about {digits} digits>"
+        return super().repr_int(x, level)
+
+
+_QUOTE = _Quote()
+
+
+def quote(value: Any) -> str:
+    """A value from the input, quoted for a message: short, whatever its size or depth."""
+    return _QUOTE.repr(value)
 
 
 class AoaError(Exception):
@@ -44,7 +70,7 @@ class AoaError(Exception):
             lines += self.span.caret_lines()
         if self.expanded_from:
             lines.append("  in a statement expanded from the one above:")
-            lines += [f"    by {macro}: {text}" for macro, text in self.expanded_from]
+            lines += [f"    by {macro}: {_shorten(text)}" for macro, text in self.expanded_from]
         for note, related_span in self.related:
             if related_span is None:
                 lines.append(f"  note: {note}")
@@ -57,6 +83,11 @@ class AoaError(Exception):
 
     def __str__(self) -> str:
         return self.render()
+
+
+def _shorten(text: str, width: int = 160) -> str:
+    """A statement a macro made, cut to one screen line (`p[0:4096]` makes 4096 names)."""
+    return text if len(text) <= width else text[:width - 5] + " ..."
 
 
 class AoaSyntaxError(AoaError):

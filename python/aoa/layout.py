@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -13,8 +14,10 @@ from typing import Protocol
 
 import numpy as np
 
-from aoa.dtypes import itemsize
-from aoa.errors import UsageError
+from aoa.dtypes import NUMPY_DTYPES, is_known, itemsize
+from aoa.errors import UsageError, quote
+from aoa.inputs import is_text
+from aoa.limits import shape_problem
 
 #: Paddle's OPTIMIZER_STATE_NAME, in the order `split_optimizer_suffix` tries them.
 OPTIMIZER_SUFFIXES = (".w_0", ".moment1_0", ".moment2_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0")
@@ -34,11 +37,12 @@ class ShardDesc:
     dtype: str | None = None
 
     def __post_init__(self) -> None:
-        """Boxes become tuples and are checked once, here, so passes can trust them."""
-        for field_name in ("local_shape", "global_shape", "global_offset"):
-            value = getattr(self, field_name)
-            if not isinstance(value, tuple):
-                object.__setattr__(self, field_name, tuple(int(v) for v in value))
+        """Boxes become tuples of ints and are checked once, here, so passes can trust
+        them: a description that is not one is a UsageError naming its key."""
+        boxes = (self.local_shape, self.global_shape, self.global_offset)
+        if not all(type(box) is tuple and all(type(n) is int for n in box) for box in boxes):
+            for field_name, box in zip(_BOX_FIELDS, boxes):
+                object.__setattr__(self, field_name, _as_box(self.key, field_name, box))
         _check_shard(self)
 
     @property
@@ -57,8 +61,15 @@ class ShardDesc:
 
     @classmethod
     def from_json(cls, data: Mapping) -> ShardDesc:
-        return cls(data["key"], tuple(data["local_shape"]), tuple(data["global_shape"]),
-                   tuple(data["global_offset"]), data.get("dtype"))
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a shard description is an object with key, local_shape, "
+                             f"global_shape and global_offset, not {quote(data)}")
+        missing = [name for name in ("key", *_BOX_FIELDS) if name not in data]
+        if missing:
+            raise UsageError(f"shard description {quote(dict(data))} lacks "
+                             + ", ".join(missing))
+        return cls(data["key"], data["local_shape"], data["global_shape"],
+                   data["global_offset"], data.get("dtype"))
 
     @classmethod
     def full(cls, key: str, shape: Sequence[int], dtype: str | None = None) -> ShardDesc:
@@ -100,12 +111,18 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
     case.json-style dicts; check each description's key and box."""
     if info is None:
         return None
+    if not isinstance(info, Mapping):
+        raise UsageError(f"{what} shard info must map keys to lists of shards, not "
+                         f"{quote(info)}")
     result: dict[str, list[ShardDesc]] = {}
     for key, shards in info.items():
         converted = [as_shard(shard) for shard in _as_list(shards)]
+        if not converted:
+            raise UsageError(f"{what} shard info lists no shard of {quote(key)}")
         for shard in converted:
             if shard.key != key:
-                raise UsageError(f"{what} shard listed under '{key}' describes '{shard.key}'")
+                raise UsageError(f"{what} shard listed under {quote(key)} describes "
+                                 f"{quote(shard.key)}")
         result[key] = converted
     return result
 
@@ -120,21 +137,50 @@ def as_shard(shard) -> ShardDesc:
         return shard
     if isinstance(shard, Mapping):
         return ShardDesc.from_json(shard)
-    return ShardDesc(shard.key, tuple(shard.local_shape), tuple(shard.global_shape),
-                     tuple(shard.global_offset), getattr(shard, "dtype", None))
+    missing = [name for name in ("key", *_BOX_FIELDS) if not hasattr(shard, name)]
+    if missing:
+        raise UsageError(f"{quote(shard)} is not a shard description: it has no "
+                         + ", ".join(missing))
+    return ShardDesc(shard.key, shard.local_shape, shard.global_shape, shard.global_offset,
+                     getattr(shard, "dtype", None))
+
+
+_BOX_FIELDS = ("local_shape", "global_shape", "global_offset")
+
+
+def _as_box(key: object, field_name: str, box: object) -> tuple[int, ...]:
+    """``box`` as a tuple of ints (numpy integers too; not floats, strings or bools)."""
+    try:
+        if isinstance(box, (str, bytes)) or not isinstance(box, Iterable):
+            raise TypeError
+        values = tuple(box)
+        if any(isinstance(n, bool) for n in values):
+            raise TypeError
+        return tuple(operator.index(n) for n in values)
+    except TypeError:
+        raise UsageError(f"shard of {quote(key)}: {field_name} {quote(box)} is not a list of "
+                         "integers") from None
 
 
 def _check_shard(shard: ShardDesc) -> None:
     key = shard.key
     offsets, sizes, totals = shard.global_offset, shard.local_shape, shard.global_shape
+    if not isinstance(key, str) or not is_text(key):
+        raise UsageError(f"a shard's key must be a text, not {quote(key)}")
+    if shard.dtype is not None and not (isinstance(shard.dtype, str) and is_known(shard.dtype)):
+        raise UsageError(f"shard of '{key}' has dtype {quote(shard.dtype)}, which aoa does not "
+                         f"know", hint="Known dtypes: " + ", ".join(NUMPY_DTYPES) + ".")
     if len(offsets) == len(sizes) == len(totals) and all(
             o >= 0 and n >= 0 and o + n <= t for o, n, t in zip(offsets, sizes, totals)):
-        return
+        problem = shape_problem(totals, itemsize(shard.dtype or "float32"))
+        if problem is None:
+            return
+        raise UsageError(f"shard of '{key}': its global shape {quote(list(totals))} {problem}")
     rank = len(shard.global_shape)
     if len(shard.local_shape) != rank or len(shard.global_offset) != rank:
-        raise UsageError(f"shard of '{key}' has local shape {list(shard.local_shape)}, "
-                         f"global shape {list(shard.global_shape)} and offset "
-                         f"{list(shard.global_offset)} of different ranks")
+        raise UsageError(f"shard of '{key}' has local shape {quote(list(shard.local_shape))}, "
+                         f"global shape {quote(list(shard.global_shape))} and offset "
+                         f"{quote(list(shard.global_offset))} of different ranks")
     for axis, (offset, size, total) in enumerate(
             zip(shard.global_offset, shard.local_shape, shard.global_shape)):
         if offset < 0 or size < 0 or offset + size > total:

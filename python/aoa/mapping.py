@@ -8,13 +8,13 @@ line and `aoa.load` read them the same way, through here.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import NamedTuple
 
-from aoa.errors import UsageError
-from aoa.layout import ShardDesc
+from aoa.errors import UsageError, quote
+from aoa.inputs import load_json, read_text
+from aoa.layout import ShardDesc, normalize_shard_info
 
 
 class MappingText(NamedTuple):
@@ -28,24 +28,22 @@ class MappingText(NamedTuple):
 def read_mapping(path: str | os.PathLike[str]) -> MappingText:
     """A `.aoa` file, or JSON: a list of statements or Paddle's aoa_config dict."""
     file = Path(path)
-    try:
-        text = file.read_text()
-    except OSError as error:
-        raise UsageError(f"cannot read mapping {path}: {error.strerror}") from None
+    text = read_text(file, "mapping")
     if file.suffix != ".json":
         return MappingText(text, False, str(file))
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}"
-                         ) from None
+    data = load_json(text, str(path))
     if isinstance(data, dict):
-        return MappingText(list(data.get("aoa_statements", [])),
-                           bool(data.get("aoa_config_reverse")), str(file))
-    if isinstance(data, list) and all(isinstance(s, str) for s in data):
-        return MappingText(data, False, str(file))
-    raise UsageError(f"{path}: expected a list of statements or an object with "
-                     "'aoa_statements'")
+        statements = data.get("aoa_statements", [])
+        reverse = data.get("aoa_config_reverse", False)
+        if not isinstance(reverse, bool):
+            raise UsageError(f"{path}: aoa_config_reverse is {quote(reverse)}, not true or "
+                             "false")
+    else:
+        statements, reverse = data, False
+    if not isinstance(statements, list) or not all(isinstance(s, str) for s in statements):
+        raise UsageError(f"{path}: expected a list of statements (texts) or an object with "
+                         f"'aoa_statements' (a list of texts); found {quote(statements)}")
+    return MappingText(statements, reverse, str(file))
 
 
 def as_mapping(mapping: object) -> MappingText:
@@ -67,19 +65,26 @@ def read_shard_info(path: str | os.PathLike[str] | None, what: str
     """Shard-info JSON: {key: [{key, local_shape, global_shape, global_offset, dtype}, ...]}."""
     if path is None:
         return None
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise UsageError(f"cannot read {what} shard info {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}"
-                         ) from None
+    data = load_json(read_text(path, f"{what} shard info"), str(path))
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected an object mapping keys to lists of shards")
     try:
-        return {key: [ShardDesc.from_json(s) for s in (shards if isinstance(shards, list)
-                                                       else [shards])]
-                for key, shards in data.items()}
-    except (KeyError, TypeError, ValueError) as error:
-        raise UsageError(f"{path}: a shard description needs key, local_shape, global_shape, "
-                         f"global_offset and dtype ({error})") from None
+        return normalize_shard_info(data, what)
+    except UsageError as error:
+        raise UsageError(f"{path}: {error.message}", hint=error.hint) from None
+
+
+def read_source_shards(path: str | os.PathLike[str], format: str | None = None
+                       ) -> dict[str, list[ShardDesc]]:
+    """The source shards of `--source`: shard-info JSON, or a checkpoint of any format aoa
+    reads (a folder, a file, a Hugging Face index), opened for its shard descriptions."""
+    from aoa.storage.formats import open_source
+
+    path = Path(path)
+    if format is None and path.suffix == ".json" and not path.name.endswith(".index.json") \
+            and not path.is_dir():
+        return read_shard_info(path, "source") or {}
+    if not path.exists():
+        raise UsageError(f"cannot read source {path}: no such file or folder")
+    with open_source(path, format) as checkpoint:
+        return checkpoint.shards

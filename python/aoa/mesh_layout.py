@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import tomllib
 
-from aoa.errors import UsageError
+from aoa.errors import UsageError, quote
+from aoa.inputs import read_text
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
+from aoa.limits import MAX_RANKS
 
 
 @dataclass(frozen=True)
@@ -118,9 +121,7 @@ class MeshLayout:
 def read_mesh_layout(path: str | Path) -> MeshLayout:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
-    except OSError as error:
-        raise UsageError(f"cannot read layout {path}: {error.strerror}") from None
+        data = tomllib.loads(read_text(path, "layout"))
     except tomllib.TOMLDecodeError as error:
         raise UsageError(f"{path}: not valid TOML: {error}") from None
     return parse_mesh_layout(data, str(path))
@@ -132,8 +133,11 @@ def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
         raise UsageError(f"{source}: needs a [mesh] table, e.g. `[mesh]` then `tp = 2`")
     for name, size in mesh.items():
         if not isinstance(size, int) or size < 1:
-            raise UsageError(f"{source}: mesh dimension {name} = {size!r} must be a positive "
-                             "integer")
+            raise UsageError(f"{source}: mesh dimension {name} = {quote(size)} must be a "
+                             "positive integer")
+    ranks = math.prod(mesh.values())
+    if ranks > MAX_RANKS:
+        raise UsageError(f"{source}: the mesh has {ranks} ranks, more than {MAX_RANKS}")
     rules = []
     for i, rule in enumerate(data.get("rule", [])):
         if not isinstance(rule, Mapping) or not isinstance(rule.get("match"), str):

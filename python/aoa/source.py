@@ -17,6 +17,10 @@ class SourceText:
         return lines[number - 1] if 0 < number <= len(lines) else ""
 
 
+#: Characters of a source line an error shows, and how many of them before the caret.
+_SHOWN_COLUMNS, _CONTEXT_COLUMNS = 120, 40
+
+
 @dataclass(frozen=True)
 class Span:
     """A region of a SourceText: 1-based line and column, end exclusive."""
@@ -31,11 +35,19 @@ class Span:
         return f"{self.source.name}:{self.line}:{self.column}"
 
     def caret_lines(self) -> list[str]:
-        """The source line and a caret run under the spanned characters."""
+        """The source line and a caret run under the spanned characters; of a line longer
+        than a screen, the part around the span, cut short with '...'."""
         text = self.source.line(self.line).replace("\t", " ")
         end = self.end_column if self.end_line == self.line else len(text) + 1
-        width = max(1, end - self.column)
-        return [f"    {text}", "    " + " " * (self.column - 1) + "^" * width]
+        start, width = self.column - 1, max(1, end - self.column)
+        if len(text) > _SHOWN_COLUMNS:
+            first = max(0, start - _CONTEXT_COLUMNS)
+            last = min(len(text), first + _SHOWN_COLUMNS)
+            width = max(1, min(width, last - start))
+            text = ("..." if first else "") + text[first:last] + (
+                "..." if last < len(text) else "")
+            start -= first - (3 if first else 0)
+        return [f"    {text}", "    " + " " * start + "^" * width]
 
     def __repr__(self) -> str:
         return f"Span({self.location()})"

@@ -94,39 +94,51 @@ def _unpermute(lo: Box, hi: Box, order: Sequence[int]) -> tuple[Box, Box]:
     return tuple(new_lo), tuple(new_hi)
 
 
+def _parts_met(piece: Piece, axis: int, size: int, parts: int) -> range:
+    """The parts of extent ``size`` along ``axis`` that ``piece`` has elements in."""
+    lo, hi = piece.target_lo[axis], piece.target_hi[axis]
+    if size == 0 or lo >= hi:
+        return range(0)
+    return range(lo // size, min((hi - 1) // size + 1, parts))
+
+
+def split_pieces(piece_map: PieceMap, axis: int, parts: int) -> int:
+    """How many pieces ``split`` makes in all, worked out before making them."""
+    size = piece_map.shape[axis] // parts
+    return sum(len(_parts_met(p, axis, size, parts)) for p in piece_map.pieces)
+
+
 def split(piece_map: PieceMap, axis: int, parts: int) -> list[PieceMap]:
-    """``parts`` equal pieces along ``axis`` (the caller checked divisibility)."""
+    """``parts`` equal pieces along ``axis`` (the caller checked divisibility). Each piece
+    visits only the parts it meets, so the time is that of the pieces made."""
     key = ("split", axis, parts)
     result = piece_map.memo.get(key)
     if result is not None:
         return result
     size = piece_map.shape[axis] // parts
     shape = piece_map.shape[:axis] + (size,) + piece_map.shape[axis + 1:]
-    result = []
-    for j in range(parts):
-        start, stop = j * size, (j + 1) * size
-        pieces = []
-        for p in piece_map.pieces:
-            t_lo, t_hi = p.target_lo[axis], p.target_hi[axis]
+    per_part: list[list[Piece]] = [[] for _ in range(parts)]
+    for p in piece_map.pieces:
+        t_lo, t_hi = p.target_lo[axis], p.target_hi[axis]
+        order = p.order
+        if order is None:
+            whole_lo, whole_hi = p.source_lo, p.source_hi
+        else:
+            whole_lo = tuple(p.source_lo[a] for a in order)
+            whole_hi = tuple(p.source_hi[a] for a in order)
+        for j in _parts_met(p, axis, size, parts):
+            start, stop = j * size, (j + 1) * size
             lo, hi = max(t_lo, start), min(t_hi, stop)
-            if lo >= hi:
-                continue
-            order = p.order
-            if order is None:
-                s_lo, s_hi = p.source_lo, p.source_hi
-            else:
-                s_lo = tuple(p.source_lo[a] for a in order)
-                s_hi = tuple(p.source_hi[a] for a in order)
-            a_lo = s_lo[axis] + lo - t_lo
-            s_lo = s_lo[:axis] + (a_lo,) + s_lo[axis + 1:]
-            s_hi = s_hi[:axis] + (a_lo + hi - lo,) + s_hi[axis + 1:]
+            a_lo = whole_lo[axis] + lo - t_lo
+            s_lo = whole_lo[:axis] + (a_lo,) + whole_lo[axis + 1:]
+            s_hi = whole_hi[:axis] + (a_lo + hi - lo,) + whole_hi[axis + 1:]
             if order is not None:
                 s_lo, s_hi = _unpermute(s_lo, s_hi, order)
-            pieces.append(Piece(p.slot, s_lo, s_hi,
-                                p.target_lo[:axis] + (lo - start,) + p.target_lo[axis + 1:],
-                                p.target_hi[:axis] + (hi - start,) + p.target_hi[axis + 1:],
-                                p.ops, order))
-        result.append(PieceMap(shape, tuple(pieces)))
+            per_part[j].append(Piece(p.slot, s_lo, s_hi,
+                                     p.target_lo[:axis] + (lo - start,) + p.target_lo[axis + 1:],
+                                     p.target_hi[:axis] + (hi - start,) + p.target_hi[axis + 1:],
+                                     p.ops, order))
+    result = [PieceMap(shape, tuple(pieces)) for pieces in per_part]
     piece_map.memo[key] = result
     return result
 

@@ -50,9 +50,9 @@ def refusals(copies, sources, destinations):
     return messages
 
 
-def random_bytes(seed: int, size: int, dtype: str) -> bytes:
-    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-    return (data & 1 if dtype == "bool" else data).tobytes()  # bools are 0 or 1
+def random_bytes(seed: int, size: int) -> bytes:
+    """Any bytes, bools too (any nonzero byte is true in both backends)."""
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
 # --- layouts -------------------------------------------------------------------------
@@ -114,8 +114,8 @@ def calls(draw, max_copies=4, max_extent=5):
         s_offset, s_strides, s_size = draw(regions(shape, itemsize(source_dtype), broadcast=True))
         d_offset, d_strides, d_size = draw(regions(shape, itemsize(destination_dtype)))
         seed = draw(st.integers(0, 2**32 - 1))
-        sources[source_slots[k]] = random_bytes(seed, s_size, source_dtype)
-        destinations[destination_slots[k]] = random_bytes(seed + 1, d_size, "uint8")
+        sources[source_slots[k]] = random_bytes(seed, s_size)
+        destinations[destination_slots[k]] = random_bytes(seed + 1, d_size)
         copies.append(Copy(source_slots[k], s_offset, s_strides, destination_slots[k], d_offset,
                            d_strides, shape, source_dtype, destination_dtype, via))
     return copies, sources, destinations
@@ -146,7 +146,7 @@ def test_large_permuted_copies_match_across_threads(data, threads):
     copy = Copy(0, 0, tuple(source_strides[k] for k in range(ndim)), 0, 0,
                 _contiguous_strides(shape, itemsize(destination_dtype)),
                 shape, source_dtype, destination_dtype, via)
-    sources = [random_bytes(1, elements * itemsize(source_dtype), source_dtype)]
+    sources = [random_bytes(1, elements * itemsize(source_dtype))]
     run_both([copy], sources, [bytes(elements * itemsize(destination_dtype))], threads=threads)
 
 
@@ -164,7 +164,7 @@ def test_transposes_match_the_reference(dtype, shape, permutation):
                 _contiguous_strides(shape, item), shape, dtype, dtype)
     size = int(np.prod(shape)) * item
     for threads in (1, 3):
-        run_both([copy], [random_bytes(6, size, dtype)], [bytes(size)], threads=threads)
+        run_both([copy], [random_bytes(6, size)], [bytes(size)], threads=threads)
 
 
 def _contiguous_strides(shape, item):
@@ -201,8 +201,8 @@ def test_transposes_near_block_edges_match_the_reference(data, dtype, threads):
     destination_size = destination_offset + int(np.prod(shape[:-1])) * row
     copy = Copy(0, source_offset, tuple(strides), 0, destination_offset, destination_strides,
                 shape, dtype, dtype)
-    run_both([copy], [random_bytes(7, source_offset + stride, dtype)],
-             [random_bytes(8, destination_size, "uint8")], threads=threads)
+    run_both([copy], [random_bytes(7, source_offset + stride)],
+             [random_bytes(8, destination_size)], threads=threads)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "uint8"])
@@ -214,8 +214,8 @@ def test_large_transposes_match_the_reference(dtype, destination_offset):
     rows, columns = 2053, 8192 // item - 3
     copy = Copy(0, 0, (item, rows * item), 0, destination_offset, (8192, item),
                 (rows, columns), dtype, dtype)
-    run_both([copy], [random_bytes(9, rows * columns * item, dtype)],
-             [random_bytes(10, destination_offset + rows * 8192, "uint8")],
+    run_both([copy], [random_bytes(9, rows * columns * item)],
+             [random_bytes(10, destination_offset + rows * 8192)],
              threads=1 + destination_offset % 3)
 
 
@@ -225,8 +225,8 @@ def test_large_batched_transposes_match_the_reference(dtype):
     batch, rows, columns = 2, 1031, 8192 // item - 1
     copy = Copy(0, 0, (rows * columns * item, item, rows * item), 0, 16,
                 (rows * 8192, 8192, item), (batch, rows, columns), dtype, dtype)
-    run_both([copy], [random_bytes(11, batch * rows * columns * item, dtype)],
-             [random_bytes(12, 16 + batch * rows * 8192, "uint8")], threads=2)
+    run_both([copy], [random_bytes(11, batch * rows * columns * item)],
+             [random_bytes(12, 16 + batch * rows * 8192)], threads=2)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
@@ -238,17 +238,17 @@ def test_many_small_copies_are_shared_over_threads(threads):
              "float32", "bfloat16")
         for row in range(rows)
     ]
-    run_both(copies, [random_bytes(2, rows * width * 4, "float32")], [bytes(rows * width * 2)],
+    run_both(copies, [random_bytes(2, rows * width * 4)], [bytes(rows * width * 2)],
              threads=threads)
 
 
 def test_a_long_cast_chain_runs_in_blocks():
     copy = Copy(0, 0, (4,), 0, 0, (8,), (5000,), "float32", "float64", ("bfloat16", "float16"))
-    run_both([copy], [random_bytes(3, 20000, "float32")], [bytes(40000)])
+    run_both([copy], [random_bytes(3, 20000)], [bytes(40000)])
 
 
 def test_a_contiguous_tensor_is_copied_whole():
-    data = random_bytes(4, 3 * 5 * 7 * 2, "bfloat16")
+    data = random_bytes(4, 3 * 5 * 7 * 2)
     copy = Copy(0, 0, (70, 14, 2), 0, 0, (70, 14, 2), (3, 5, 7), "bfloat16", "bfloat16")
     (out,) = run_both([copy], [data], [bytes(len(data))], threads=2)
     assert bytes(out) == data
@@ -260,8 +260,6 @@ def test_a_contiguous_tensor_is_copied_whole():
 def every_value(dtype: str) -> bytes:
     """Every bit pattern of a 1- or 2-byte dtype; random patterns and edges of wider ones."""
     size = itemsize(dtype)
-    if dtype == "bool":
-        return bytes([0, 1])
     if size <= 2:
         return np.arange(256**size, dtype=f"u{size}").tobytes()
     rng = np.random.default_rng(5)
@@ -298,6 +296,23 @@ def test_every_cast_matches_astype(source):
         for k, target in enumerate(sorted(FLOATING))
     ]
     run_both(copies, [values], [bytes(count * itemsize(t)) for t in sorted(FLOATING)])
+
+
+def test_every_bool_byte_casts_as_numpy_bool():
+    # A bool byte other than 0 and 1 is true, as numpy's own casts take it (ml_dtypes'
+    # bool -> bfloat16 / fp8 would give the byte's value): 1 in every format, from all 256
+    # bytes; a bool copied as bool keeps its byte.
+    data = bytes(range(256))
+    targets = sorted(FLOATING)
+    copies = [Copy(0, 0, (1,), k, 0, (itemsize(t),), (256,), "bool", t)
+              for k, t in enumerate(targets)]
+    copies.append(Copy(0, 0, (1,), len(targets), 0, (1,), (256,), "bool", "bool"))
+    out = run_both(copies, [data], [bytes(256 * itemsize(t)) for t in targets] + [bytes(256)])
+    truth = np.frombuffer(data, np.uint8) != 0
+    for target, got in zip(targets, out):
+        values = np.frombuffer(bytes(got), NUMPY_DTYPES[target]).astype(np.float64)
+        assert values.tolist() == truth.astype(np.float64).tolist(), target
+    assert bytes(out[-1]) == data
 
 
 def astype_via_kernel(values: np.ndarray, target: str) -> np.ndarray:

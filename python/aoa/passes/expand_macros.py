@@ -11,11 +11,13 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import math
 import re
 from collections.abc import Iterable, Sequence
 
 from aoa.errors import MacroError
 from aoa.ir import Name, Origin, Program, Statement
+from aoa.limits import MAX_MACRO_NAMES, MAX_TEMPLATE_INSTANCES
 from aoa.passes.context import CompileContext
 
 NAME = "expand_macros"
@@ -162,6 +164,14 @@ class _Expander:
                     hint="All names of a $LAYER_ID / $EXPERT_ID statement must use the same "
                          "placeholders.")
         ordered = sorted(found)
+        instances = math.prod(len(values[p]) for p in ordered)
+        if instances > MAX_TEMPLATE_INSTANCES:
+            counts = " times ".join(f"{len(values[p])} {p}" for p in ordered)
+            raise MacroError(
+                f"'{pattern.text}' would expand to {instances} statements ({counts}), more "
+                f"than {MAX_TEMPLATE_INSTANCES}", pattern.span,
+                hint="Each placeholder takes every id found for it in the keys; write the "
+                     "ids that go together as separate templates.")
         combinations = list(itertools.product(*(list(map(str, sorted(values[p])))
                                                 for p in ordered)))
         if not combinations:
@@ -227,6 +237,11 @@ class _Expander:
                     raise MacroError(f"'{name}' is an empty range", name.span,
                                      hint="NAME[a:b] names NAME_a ... NAME_(b-1); b must be "
                                           "greater than a.")
+                if end - start > MAX_MACRO_NAMES:
+                    raise MacroError(f"'{name}' names {end - start} tensors, more than "
+                                     f"{MAX_MACRO_NAMES}", name.span,
+                                     hint="NAME[a:b] names NAME_a ... NAME_(b-1), one tensor "
+                                          "each.")
                 out.extend(Name(f"{name.text}_{i}", name.span) for i in range(start, end))
             return out
 

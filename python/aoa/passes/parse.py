@@ -21,8 +21,9 @@ from lark import (
 )
 from lark.exceptions import VisitError
 
-from aoa.errors import AoaSyntaxError
+from aoa.errors import AoaSyntaxError, UsageError, quote
 from aoa.ir import FLAG_ATTRIBUTES, Attribute, Name, Program, Statement
+from aoa.limits import MAX_NUMBER_DIGITS
 from aoa.passes.context import CompileContext
 from aoa.source import SourceText, Span
 
@@ -67,14 +68,21 @@ class _ToIR(Transformer):
         return Name(str(token), _span(self.source, token))
 
     def array_name(self, children):
-        token, start, _colon_free_end = children[0], children[1], children[2]
-        span = Span(self.source, token.line, token.column, token.end_line,
-                    _colon_free_end.end_column + 1)
-        return Name(str(token), span, array=(int(start), int(_colon_free_end)))
+        token, start, end = children[0], children[1], children[2]
+        span = Span(self.source, token.line, token.column, token.end_line, end.end_column + 1)
+        return Name(str(token), span, array=(self._int(start), self._int(end)))
 
     def number(self, children):
         (token,) = children
-        return (int(token), token)
+        return (self._int(token), token)
+
+    def _int(self, token: Token) -> int:
+        if len(token) > MAX_NUMBER_DIGITS:
+            raise AoaSyntaxError(
+                f"the number {quote(str(token))} has {len(token)} digits, more than "
+                f"{MAX_NUMBER_DIGITS}", _span(self.source, token),
+                hint="Axes, head counts and ranges are small numbers.")
+        return int(token)
 
     def string(self, children):
         (token,) = children
@@ -184,6 +192,11 @@ def texts(statements: str | Sequence[str], *, file: str | None = None
           ) -> tuple[SourceText, ...]:
     """The units of a program: one text (a `.aoa` file), or Paddle's list of statement
     strings (each item may hold several statements, or none)."""
+    if not isinstance(statements, str) and not (
+            isinstance(statements, Sequence)
+            and all(isinstance(text, str) for text in statements)):
+        raise UsageError(f"statements must be a text or a list of texts, not "
+                         f"{quote(statements)}")
     if isinstance(statements, str):
         return (SourceText(file or "<aoa>", statements),)
     return tuple(SourceText(f"{file or '<statement'} {i}>" if file is None else f"{file}[{i}]",

@@ -9,15 +9,17 @@ what the plan pass reads.
 
 from __future__ import annotations
 
-import ast
+import re
 from collections.abc import Sequence
 
 from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS
-from aoa.errors import ShapeError, ValidationError
+from aoa.errors import ShapeError, ValidationError, quote
 from aoa.ir import NOTHING, Attribute, Name, Program, SharedInstances, Statement
 from aoa.layout import split_optimizer_suffix
+from aoa.limits import MAX_NUMBER_DIGITS, MAX_PIECES
 from aoa.passes.context import CompileContext
+from aoa.passes.expand_fused import FUSED_MACROS, PER_SHARD_MACROS
 from aoa.symbolic import InputTensors, Permute, SymbolicTensors, Tensor
 
 NAME = "propagate_shapes"
@@ -36,12 +38,12 @@ def split(tensor: Tensor, axis: int, parts: int) -> list[Tensor]:
 
 def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
     offsets: list[int] = []
-    keys: tuple[str, ...] = ()
+    keys: list[str] = []
     for tensor in tensors:
         offsets.append(len(keys))
         keys += tensor.keys
         tensor.uses += 1
-    return Tensor(symbolic.concat([t.piece_map for t in tensors], offsets, axis), keys,
+    return Tensor(symbolic.concat([t.piece_map for t in tensors], offsets, axis), tuple(keys),
                   tensors[0].dtype)
 
 
@@ -127,11 +129,19 @@ class _Machine:
             source = self.ref(left[0], statement)
             axis = self.axis(statement, source, attributes)
             if source.shape[axis] % len(right):
-                raise _error(ShapeError, f"cannot split '{left[0].text}' of shape "
-                             f"{list(source.shape)} into {len(right)} equal parts along axis "
-                             f"{axis}", statement.span, statement,
-                             hint=f"The size {source.shape[axis]} must be a multiple of "
-                                  f"{len(right)}.")
+                origin = statement.origin
+                if origin is not None and origin.macro in FUSED_MACROS:
+                    # a part the user named, cut into heads or per-shard pieces
+                    (written,) = _as_written(origin.statement, left, self.reverse)
+                    what = f"{origin.macro} cannot cut '{written}'"
+                else:
+                    what = f"cannot split '{left[0].text}'"
+                raise _error(ShapeError, f"{what} of shape {list(source.shape)} into "
+                             f"{len(right)} equal parts along axis {axis}", statement.span,
+                             statement, hint=f"The size {source.shape[axis]} must be a "
+                                             f"multiple of {len(right)}.")
+            self.check_pieces(symbolic.split_pieces(source.piece_map, axis, len(right)),
+                              statement)
             for name, part in zip(right, split(source, axis, len(right))):
                 self.bind(name, part, statement)
             return
@@ -139,6 +149,9 @@ class _Machine:
             tensors = [self.ref(name, statement) for name in left]
             axis = self.axis(statement, tensors[0], attributes)
             self.check_concat(statement, left, tensors, axis)
+            if statement.origin is not None and statement.origin.macro in PER_SHARD_MACROS:
+                self.check_fused_pieces(statement, tensors, axis)
+            self.check_pieces(sum(len(t.piece_map.pieces) for t in tensors), statement)
             self.bind(right[0], concat(tensors, axis), statement)
             return
         (source_name,), (target,) = left, right
@@ -153,6 +166,14 @@ class _Machine:
             self.bind(target, identity(source), statement)
             return
         self.bind(target, self.unary(statement, source, attributes), statement)
+
+    @staticmethod
+    def check_pieces(count: int, statement: Statement) -> None:
+        if count > MAX_PIECES:
+            raise _error(ShapeError, f"the result would be made of {count} pieces of source "
+                         f"tensors, more than {MAX_PIECES}", statement.span, statement,
+                         hint="Each concat adds up the pieces of its inputs, and each split "
+                              "cuts the pieces it crosses.")
 
     def check_concat(self, statement, names, tensors, axis) -> None:
         first = tensors[0]
@@ -169,6 +190,39 @@ class _Machine:
                              f"with '{names[0].text}' ({first.dtype}): the dtypes differ",
                              name.span, statement,
                              hint="Cast the tensors to one dtype after the concat.")
+
+    def check_fused_pieces(self, statement: Statement, pieces: Sequence[Tensor],
+                           axis: int) -> None:
+        """A per-shard fused layout is a row of equal pieces (whole heads, equal halves).
+        Pieces cut from one tensor always are; pieces cut from the parts of a merge are
+        only when the parts are in proportion, as a split by the same macro gives them."""
+        if len({piece.shape[axis] for piece in pieces}) == 1:
+            return
+        assert statement.origin is not None
+        macro, expanded = statement.origin.macro, statement.origin.statement
+        parts = expanded.right if self.reverse else expanded.left
+        names = _as_written(expanded, parts, self.reverse)
+        shown = [f"'{name}' {list(self.ref(part, statement).shape)}"
+                 for name, part in zip(names, parts)]
+        described = ", ".join(shown[:-1]) + " and " + shown[-1]
+        if macro == "fused_ffn":
+            rule = "halves of one size"
+        else:
+            heads = expanded.attribute("num_heads")
+            groups = expanded.attribute("num_key_value_groups")
+            assert heads is not None and groups is not None
+            rule = ("whole heads of one size in the proportion num_heads : "
+                    "num_key_value_groups : num_key_value_groups = "
+                    f"{heads.value} : {groups.value} : {groups.value}")
+        fused = (expanded.left if self.reverse else expanded.right)[0].text
+        if self.reverse:
+            hint = (f"Run forward, this statement cuts '{fused}' into {rule}, so no "
+                    "forward run gives these shapes back; check the shapes.")
+        else:
+            hint = (f"{macro} lays the parts out shard by shard; for a plain concat write "
+                    f"`{', '.join(names)} -> {fused}, axis={axis}`.")
+        raise _error(ValidationError, f"{macro} cannot merge {described}: along axis {axis} "
+                     f"they are not {rule}", statement.span, statement, hint=hint)
 
     def unary(self, statement: Statement, source: Tensor, attributes) -> Tensor:
         keys = [a.key for a in attributes]
@@ -197,9 +251,10 @@ class _Machine:
             self.check_dtype(attribute, statement)
             return cast(source, attribute.value)
         if attribute.key == "axis":
-            self.check_axis(attribute, source, statement)
+            # Paddle never reads the axis of an alias, so no value of it is an error (0.1)
             self.ctx.note("a single name on each side with axis= is an alias: the right "
-                          "name is the very same tensor", attribute.span)
+                          "name is the very same tensor (the axis is not used)",
+                          attribute.span)
             return source
         if attribute.key == "src_dtype":
             raise _error(ShapeError, "src_dtype needs dst_dtype beside it", attribute.span,
@@ -219,13 +274,9 @@ class _Machine:
         if text == "[]":
             axes = tuple(range(rank - 1, -1, -1))
             return Permute(axes, str(list(axes)))
-        try:
-            value = ast.literal_eval(text) if isinstance(text, str) else None
-        except (ValueError, SyntaxError):
-            value = None
-        if (not isinstance(value, list) or sorted(value) != list(range(rank))
-                or not all(isinstance(v, int) for v in value)):
-            raise _error(ValidationError, f"permute={text!r} is not a permutation of the "
+        value = _axis_list(text)
+        if value is None or sorted(value) != list(range(rank)):
+            raise _error(ValidationError, f"permute={quote(text)} is not a permutation of the "
                          f"{rank} axes of '{source.name}' (shape {list(source.shape)})",
                          attribute.span, statement,
                          hint=f"List each axis 0..{rank - 1} once, e.g. "
@@ -237,6 +288,34 @@ class _Machine:
                 inverse[a] = i
             return Permute(tuple(inverse), str(inverse))
         return Permute(axes, text)
+
+
+def _as_written(expanded: Statement, names: Sequence[Name], reverse: bool) -> list[str]:
+    """``names`` of a statement a macro expanded, as the user wrote them: a transposed
+    view made for `X^T` is shown as `X^T` (views keep the positions of their names)."""
+    origin = expanded.origin
+    if origin is None or origin.macro != "transpose":
+        return [name.text for name in names]
+    written = origin.statement
+    side, written_side = ((expanded.right, written.right) if reverse
+                          else (expanded.left, written.left))
+    return [written_side[side.index(name)].text if name in side else name.text
+            for name in names]
+
+
+_AXIS = rf"\d{{1,{MAX_NUMBER_DIGITS}}}"
+_AXIS_LIST = re.compile(rf"\[\s*(?:({_AXIS}(?:\s*,\s*{_AXIS})*)\s*,?)?\s*\]")
+
+
+def _axis_list(text: str) -> list[int] | None:
+    """The axes of `permute='[1, 0, 2]'` (a Python list of non-negative integers), or None.
+
+    Read with a pattern rather than ast.literal_eval, which takes any literal: nested lists,
+    strings, numbers of any size, with a RecursionError for a deep one."""
+    match = _AXIS_LIST.fullmatch(text.strip())
+    if match is None:
+        return None
+    return [int(axis) for axis in match.group(1).split(",")] if match.group(1) else []
 
 
 def select_outputs(state: SymbolicTensors, ctx: CompileContext) -> None:

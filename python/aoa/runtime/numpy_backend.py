@@ -9,6 +9,10 @@ float8_e4m3fn, which has no infinity (from 464 up, halfway past its largest valu
 and infinity in float8_e5m2 (from 61440, halfway past 57344). A float64 rounds once,
 straight to bfloat16 or fp8, not through float32, as ml_dtypes does; an int64 rounds once
 too. Casts to integers (from floats, or to another size) are refused.
+
+A bool is numpy's: any nonzero byte is true, and casts to 1 in every format. (ml_dtypes'
+bool -> bfloat16 and fp8 take the byte's value instead, 2 for a byte 2; so a bool is made
+0 or 1 before any cast. A bool copied as bool keeps its bytes, as numpy's copy does.)
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def execute_copies(
                 continue
             values = _view(source_bytes[copy.source], copy.source_offset, copy.source_strides,
                            copy.shape, copy.source_dtype)
+            if copy.source_dtype == "bool" and copy.destination_dtype != "bool":
+                values = values.view(np.uint8) != 0
             for dtype in (*copy.via, copy.destination_dtype):
                 values = values.astype(numpy_dtype(dtype))
             target = _view(destination_bytes[copy.destination], copy.destination_offset,

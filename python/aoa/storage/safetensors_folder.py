@@ -68,7 +68,7 @@ def claims(path: Path) -> bool:
     """A safetensors file, or a folder with an index or safetensors files (sharded or not:
     the source then says which)."""
     if path.is_file():
-        return path.suffix == ".safetensors"
+        return path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json")
     return (path / INDEX_NAME).is_file() or bool(_folder_files(path, required=False))
 
 
@@ -90,8 +90,10 @@ def open_folder(path: Path) -> SafetensorsSource:
     The files of a folder are those its index names, or else every ``*.safetensors`` in it.
     """
     index = path / INDEX_NAME
+    if path.is_file() and path.name.endswith(".index.json"):
+        index = path  # an index names its folder's files
     weight_map = None
-    if path.is_file():
+    if path.is_file() and index != path:
         names = [path]
     elif index.is_file():
         weight_map = _read_index(index)
