@@ -18,7 +18,8 @@ FORBIDDEN = {
     "aoa.runtime": ("aoa.jobs", "aoa.passes", "aoa.pipeline"),
     "aoa.storage": ("aoa.runtime", "aoa.jobs", "aoa.passes", "aoa.pipeline", "aoa.plan"),
     "aoa.layout": ("aoa.runtime", "aoa.storage", "aoa.jobs", "aoa.passes", "aoa.pipeline"),
-    "aoa.mapping": ("aoa.runtime", "aoa.storage", "aoa.jobs", "aoa.passes", "aoa.pipeline"),
+    # what people hand over, a checkpoint's shard descriptions included (`--source`)
+    "aoa.mapping": ("aoa.runtime", "aoa.jobs", "aoa.passes", "aoa.pipeline"),
 }
 
 
