@@ -15,6 +15,7 @@ runs the ops forward (or backward, for a reverse run) over the source arrays.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -151,8 +152,11 @@ class Builder:
         #: (statement, its ops) of the block being drawn, and of the blocks drawn
         self.items: list[tuple[str, list[Op]]] = []
         self.blocks: list[list[tuple[str, list[Op]]]] = []
-        #: the layer ids of the template being drawn (its names hold $LAYER_ID)
-        self.layers: list[int] | None = None
+        #: the keys the block being drawn declares
+        self.keys: list[str] = []
+        #: the ids of the template being drawn, per placeholder its names hold
+        #: ($LAYER_ID, maybe $EXPERT_ID)
+        self.layers: dict[str, list[int]] | None = None
         #: names read through `^T`, and q/k/v of fused_qkv: a careless macro names pieces
         #: after them (`w_transpose_tmp`, `q0`)
         self.lookalikes: list[str] = []
@@ -160,8 +164,8 @@ class Builder:
     # names and keys
     def name(self, what: str = "t") -> str:
         self.fresh += 1
-        layer = ".l$LAYER_ID" if self.layers is not None else ""
-        return f"b{self.block}{layer}.{what}{self.fresh}"
+        ids = "".join(f".{p[1].lower()}{p}" for p in self.layers or ())
+        return f"b{self.block}{ids}.{what}{self.fresh}"
 
     def count(self, other: int = 1) -> int:
         """A shard count whose least common multiple with ``other`` stays small (a fused
@@ -172,11 +176,13 @@ class Builder:
                shards: int | None = None) -> None:
         """A source key; ``shards`` fixes the count (a fused layout depends on it)."""
         self.program.sources[key] = self._stored(shape, dtype, shards, forward_source=True)
+        self.keys.append(key)
 
     def destination(self, key: str, shape: tuple[int, ...], dtype: str,
                     shards: int | None = None) -> None:
         self.program.destinations[key] = self._stored(shape, dtype, shards,
                                                       forward_source=False)
+        self.keys.append(key)
 
     def _stored(self, shape, dtype, shards, *, forward_source: bool) -> Stored:
         # without shard information the side a reverse run writes has one shard a key
@@ -203,27 +209,37 @@ class Builder:
         self.items.append((statement, [op]))
 
     def end_block(self) -> None:
+        """The block's keys get optimizer states now and then (they follow the parameter
+        through every statement, spec 6.8); a template's items and keys are filled in."""
+        if not self.program.derive and self.draw(st.integers(0, 3)) == 0:
+            self.program.states.update(self.keys)
         if self.layers is not None:
             self._instantiate(self.layers)
         self.blocks.append(self.items)
-        self.items, self.layers = [], None
+        self.items, self.layers, self.keys = [], None, []
         self.block += 1
 
-    def _instantiate(self, layers: list[int]) -> None:
-        """A template block: one statement each, ops and keys once per layer."""
-        def fill(name: str, layer: int) -> str:
-            return name.replace("$LAYER_ID", str(layer))
+    def _instantiate(self, ids: dict[str, list[int]]) -> None:
+        """A template block: one statement each, ops and keys once per combination of
+        ids (every combination exists: the id macro takes the product, spec 5.3)."""
+        combinations = [dict(zip(ids, values)) for values in itertools.product(*ids.values())]
 
-        self.items = [(text, [Op(tuple(fill(n, i) for n in op.reads),
-                                 tuple(fill(n, i) for n in op.writes), op.do, op.undo)
-                              for i in layers for op in ops]) for text, ops in self.items]
+        def fill(name: str, values: dict[str, int]) -> str:
+            for placeholder, value in values.items():
+                name = name.replace(placeholder, str(value))
+            return name
+
+        self.items = [(text, [Op(tuple(fill(n, c) for n in op.reads),
+                                 tuple(fill(n, c) for n in op.writes), op.do, op.undo)
+                              for c in combinations for op in ops])
+                      for text, ops in self.items]
         for stored in (self.program.sources, self.program.destinations):
-            for key in [k for k in stored if "$LAYER_ID" in k]:
+            for key in [k for k in stored if "$" in k]:
                 value = stored.pop(key)
-                stored.update({fill(key, i): value for i in layers})
-        for key in [k for k in self.program.states if "$LAYER_ID" in k]:
+                stored.update({fill(key, c): value for c in combinations})
+        for key in [k for k in self.program.states if "$" in k]:
             self.program.states.discard(key)
-            self.program.states.update(fill(key, i) for i in layers)
+            self.program.states.update(fill(key, c) for c in combinations)
 
     # plain steps ----------------------------------------------------------------------
     def step(self, name: str, shape: tuple[int, ...], dtype: str, *, casts: bool = True,
@@ -394,8 +410,6 @@ class Blocks(Builder):
         destination = self.name("d")
         _, shape, dtype = self.step(name, shape, dtype, out=destination)
         self.destination(destination, shape, dtype)
-        if not self.program.derive and self.layers is None and self.draw(st.booleans()):
-            self.program.states.update((key, destination))
 
     def identity(self) -> None:
         """A destination key that is also a source key and that no statement writes."""
@@ -417,6 +431,24 @@ class Blocks(Builder):
         key = self.name("s")
         self.source(key, (2, 2))
         self.items.append((f"{key} -> _", []))
+
+    def layer_offset(self) -> None:
+        """`x.$LAYER_ID_OFFSET.w -> y.$LAYER_ID_OFFSET.w`: layer n of the source is layer
+        n-1 of the destination (a reverse run maps it back, spec 5.2)."""
+        layers = sorted(self.draw(st.sets(st.integers(1, 11), min_size=1, max_size=3)))
+        shape = (self.draw(st.sampled_from([1, 2])), self.draw(st.sampled_from([2, 3])))
+        source, target = self.name("x"), self.name("y")
+        transpose = self.draw(st.booleans())
+        see = np.transpose if transpose else (lambda a: a)
+        for n in layers:
+            self.source(f"{source}.{n}.w", shape)
+            self.destination(f"{target}.{n - 1}.w", shape[::-1] if transpose else shape,
+                             "float32")
+        self.items.append((f"{source}.$LAYER_ID_OFFSET.w{'^T' if transpose else ''} -> "
+                           f"{target}.$LAYER_ID_OFFSET.w",
+                           [Op((f"{source}.{n}.w",), (f"{target}.{n - 1}.w",),
+                               lambda a: [see(a[0])], lambda a: [see(a[0])])
+                            for n in layers]))
 
     def star_concat(self) -> None:
         ids = sorted(self.draw(st.sets(st.integers(0, 12), min_size=self.fewest(),
@@ -475,15 +507,18 @@ class Blocks(Builder):
         axis = self.draw(st.sampled_from([0, 1]))
         shards = self.writes_count() or self.count()
         half, other = shards * self.draw(st.integers(1, 2)), self.draw(st.integers(1, 3))
-        shape = self.fused_shape(axis, half, other)
-        (gate, g, see_g), (up, u, see_u) = self.part(shape), self.part(shape)
+        # a forward merge over one shard is the halves' plain concat, of any sizes
+        up_half = (self.draw(st.integers(1, 3)) if shards == 1 and not self.program.reverse
+                   else half)
+        (gate, g, see_g) = self.part(self.fused_shape(axis, half, other))
+        (up, u, see_u) = self.part(self.fused_shape(axis, up_half, other))
         out = self.out()
         self.emit(f"{gate}, {up} -> {out[0]}, fused_ffn{axis_attribute(self.draw, axis)}",
                   Op((g, u), (out[0],),
                      lambda a: [ffn_fuse(see_g(a[0]), see_u(a[1]), shards, axis)],
                      lambda a: [f(x) for f, x in zip((see_g, see_u),
                                                      ffn_unfuse(a[0], shards, axis))]))
-        self.finish(out, self.fused_shape(axis, 2 * half, other), shards=shards)
+        self.finish(out, self.fused_shape(axis, half + up_half, other), shards=shards)
 
     def ffn_split(self) -> None:
         axis = self.draw(st.sampled_from([0, 1]))
@@ -601,8 +636,11 @@ class Blocks(Builder):
         shards = self.writes_count() or self.count()
         heads, groups, head = self.heads(shards)
         other = self.draw(st.integers(1, 2))
-        parts = [self.part(self.fused_shape(axis, n * head, other))
-                 for n in (heads, groups, groups)]
+        sizes = [n * head for n in (heads, groups, groups)]
+        if shards == 1 and not self.program.reverse and self.draw(st.booleans()):
+            # over one shard: the parts' plain concat, in any proportion
+            sizes = [self.draw(st.integers(1, 6)) for _ in range(3)]
+        parts = [self.part(self.fused_shape(axis, size, other)) for size in sizes]
         (q, k, v) = (p[0] for p in parts)
         sees = [p[2] for p in parts]
         out = self.out()
@@ -613,8 +651,7 @@ class Blocks(Builder):
                                              shards, axis)],
                      lambda a: [f(x) for f, x in zip(sees, qkv_old_unfuse(
                          a[0], heads, groups, shards, axis))]))
-        self.finish(out, self.fused_shape(axis, (heads + 2 * groups) * head, other),
-                    shards=shards)
+        self.finish(out, self.fused_shape(axis, sum(sizes), other), shards=shards)
 
     def qkv_old_split(self) -> None:
         axis = self.draw(st.sampled_from([0, 1]))
@@ -714,7 +751,8 @@ class Blocks(Builder):
 
 
 FORWARD_ONLY = {"tied", "drop"}
-BLOCKS = ("plain", "identity", "tied", "drop", "star_concat", "star_split", "array_split",
+BLOCKS = ("plain", "identity", "tied", "drop", "layer_offset", "star_concat", "star_split",
+          "array_split",
           "ffn_merge", "ffn_split", "ffn_relayout", "two_fused", "fused_into_split",
           "fused_from_concat", "qkv_old_merge", "qkv_old_split", "qkv_old_relayout",
           "qkv_merge", "qkv_split")
@@ -733,7 +771,11 @@ def programs(draw) -> Program:
         kinds.remove("star_concat" if reverse else "star_split")
     for kind in draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=5)):
         if kind in ONE_STATEMENT and draw(st.integers(0, 3)) == 0:
-            blocks.layers = sorted(draw(st.sets(st.integers(0, 11), min_size=1, max_size=3)))
+            blocks.layers = {"$LAYER_ID": sorted(draw(st.sets(st.integers(0, 11), min_size=1,
+                                                              max_size=3)))}
+            if draw(st.booleans()):
+                blocks.layers["$EXPERT_ID"] = sorted(draw(st.sets(st.integers(0, 11),
+                                                                  min_size=1, max_size=2)))
         getattr(blocks, kind)()
         blocks.end_block()
     first: list = []
@@ -741,9 +783,21 @@ def programs(draw) -> Program:
     blocks.traps(first, last)
     items = first + interleave(draw, blocks.blocks) + last
     program = blocks.program
-    program.statements = [text for text, _ in items if text]
+    program.statements = glue(draw, [text for text, _ in items if text])
     program.ops = [op for _, ops in items for op in ops]
     return program
+
+
+def glue(draw, statements: list[str]) -> list[str]:
+    """Now and then two statements in one list item: each is still a statement of its own
+    (README, Decisions; Paddle runs a macro over the whole item)."""
+    out: list[str] = []
+    for statement in statements:
+        if out and draw(st.integers(0, 5)) == 0:
+            out[-1] += " " + statement
+        else:
+            out.append(statement)
+    return out
 
 
 def interleave(draw, blocks: list[list]) -> list:

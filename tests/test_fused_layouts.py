@@ -190,3 +190,31 @@ def test_fused_tensor_to_a_key_and_into_another_fused_statement():
     halves = ffn_unfuse(w, 4, 1)
     assert same(got["plain"], ffn_fuse(*halves, 2, 1))
     assert same(got["d"], ffn_fuse(*halves, 1, 1))
+
+
+# 3. merges: refused where the parts are out of proportion, except over one shard ---------
+
+def test_forward_merge_over_one_shard_is_the_plain_concat():
+    """Paddle's cut into equal pieces and join gives the parts one after the other."""
+    g, u, q, k, v = random((2, 2), (6, 2), (3, 2), (3, 2), (2, 2))
+    got = run(["g^T, u^T -> f, fused_ffn",
+               "q, k, v -> qkv, fused_qkv_old, num_heads=2, num_key_value_groups=1, axis=0"],
+              {"g": (2, 2), "u": (6, 2), "q": (3, 2), "k": (3, 2), "v": (2, 2)},
+              {"f": (2, 8), "qkv": (8, 2)}, {"g": g, "u": u, "q": q, "k": k, "v": v})
+    assert same(got["f"], np.concatenate([g.T, u.T], axis=1))
+    assert same(got["qkv"], np.concatenate([q, k, v]))
+
+
+@pytest.mark.parametrize(("statement", "sources", "fused", "reverse"), [
+    ("g^T, u^T -> f, fused_ffn", {"g": (2, 2), "u": (6, 2)}, ((2, 8), 2, 1), False),
+    ("f -> g, u, fused_ffn", {"g": (2, 2), "u": (2, 6)}, ((2, 8), 1, 1), True),
+    ("q, k, v -> f, fused_qkv_old, num_heads=2, num_key_value_groups=2, axis=0",
+     {"q": (4, 2), "k": (2, 2), "v": (2, 2)}, ((8, 2), 2, 0), False),
+    ("f -> q, k, v, fused_qkv_old, num_heads=4, num_key_value_groups=1, axis=0",
+     {"q": (4, 2), "k": (2, 2), "v": (1, 2)}, ((7, 2), 1, 0), True),
+])
+def test_merge_out_of_proportion_is_refused(statement, sources, fused, reverse):
+    """Over several shards (a forward run would mix halves or heads between ranks) and in
+    reverse (no forward run gives such parts)."""
+    with pytest.raises(aoa.ValidationError, match="cannot merge"):
+        aoa.compile([statement], layout(sources), layout({"f": fused}), reverse=reverse)

@@ -183,6 +183,12 @@ class _Fuser:
         attributes = (self._axis(axis, span),) if len(left) > 1 or len(right) > 1 else ()
         return parent.derive(macro, left, right, attributes)
 
+    def _plain_concat(self, s: Statement, macro: str, axis: int, span) -> Statement:
+        """A forward merge laid out over one shard: the parts one after the other. Paddle's
+        cut into equal pieces and join gives the same bytes, whatever the parts' sizes
+        (a reverse run cuts each part into its own pieces instead, to split them back)."""
+        return self._make(s, macro, list(s.left), [s.right[0]], axis, span)
+
     def _names(self, names, span) -> tuple[Name, ...]:
         """Names for generated pieces, shared across statements (they repeat per layer)."""
         made = self._names_by_span.get(span)
@@ -255,6 +261,8 @@ class _Fuser:
             return out
         if len(s.left) == 2 and len(s.right) == 1:
             shards = self._count(written, written.right[0])
+            if shards == 1 and not self.ctx.reverse:
+                return [self._plain_concat(s, "fused_ffn", axis, span)]
             return [*(self._make(s, "fused_ffn", [whole],
                                  [f"{prefix}{half}_{i}" for i in range(shards)], axis, span)
                       for half, whole in zip(("GATE", "UP"), s.left)),
@@ -299,6 +307,8 @@ class _Fuser:
             return out
         if len(s.left) == 3 and len(s.right) == 1:
             dst_shards = self._count(written, written.right[0])
+            if dst_shards == 1 and not self.ctx.reverse:
+                return [self._plain_concat(s, "fused_qkv_old", axis, span)]
             return [*(self._make(s, "fused_qkv_old", [whole], pieces(letter), axis, span)
                       for letter, whole in zip("QKV", s.left)),
                     self._make(s, "fused_qkv_old", layout(dst_shards, s.right[0]),

@@ -195,25 +195,37 @@ class _Machine:
                            axis: int) -> None:
         """A per-shard fused layout is a row of equal pieces (whole heads, equal halves).
         Pieces cut from one tensor always are; pieces cut from the parts of a merge are
-        only when the parts are in proportion, as a split by the same macro gives them."""
-        if len({piece.shape[axis] for piece in pieces}) == 1:
-            return
+        only when the parts are in proportion, as a split by the same macro gives them.
+        A forward merge over one shard joins the parts themselves: whatever their sizes,
+        that is their plain concat (as in Paddle), which a note points out."""
         assert statement.origin is not None
         macro, expanded = statement.origin.macro, statement.origin.statement
         parts = expanded.right if self.reverse else expanded.left
+        plain = statement.left == parts
+        counts: tuple[int, ...] = (1, 1)
+        rule = "halves of one size"
+        if macro == "fused_qkv_old":
+            heads, groups = (expanded.attribute(key) for key in ("num_heads",
+                                                                 "num_key_value_groups"))
+            assert heads is not None and groups is not None
+            counts = (int(heads.value or 0), int(groups.value or 0), int(groups.value or 0))
+            rule = ("whole heads of one size in the proportion num_heads : "
+                    f"num_key_value_groups : num_key_value_groups = {' : '.join(map(str, counts))}")
+        sizes = [piece.shape[axis] for piece in pieces]
+        if not plain and len(set(sizes)) == 1:
+            return
+        if plain and all(size % n == 0 for size, n in zip(sizes, counts)) \
+                and len({size // n for size, n in zip(sizes, counts)}) == 1:
+            return
         names = _as_written(expanded, parts, self.reverse)
         shown = [f"'{name}' {list(self.ref(part, statement).shape)}"
                  for name, part in zip(names, parts)]
         described = ", ".join(shown[:-1]) + " and " + shown[-1]
-        if macro == "fused_ffn":
-            rule = "halves of one size"
-        else:
-            heads = expanded.attribute("num_heads")
-            groups = expanded.attribute("num_key_value_groups")
-            assert heads is not None and groups is not None
-            rule = ("whole heads of one size in the proportion num_heads : "
-                    "num_key_value_groups : num_key_value_groups = "
-                    f"{heads.value} : {groups.value} : {groups.value}")
+        if plain:
+            self.ctx.note(f"{macro} joins {described}, which along axis {axis} are not "
+                          f"{rule}: over one shard that is their plain concat",
+                          statement.span)
+            return
         fused = (expanded.left if self.reverse else expanded.right)[0].text
         if self.reverse:
             hint = (f"Run forward, this statement cuts '{fused}' into {rule}, so no "
