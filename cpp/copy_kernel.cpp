@@ -95,13 +95,15 @@ struct CastStep {
   int64_t output_itemsize;
 };
 
-struct PlannedCopy;
+struct PreparedCopy;
 
 // Columns [column0, column0 + width) of rows [row0, row_end) of a copy's last two axes.
-using TileFn = void (*)(const PlannedCopy& copy, const uint8_t* source, uint8_t* destination,
+using TileFn = void (*)(const PreparedCopy& copy, const uint8_t* source, uint8_t* destination,
                         int64_t row0, int64_t row_end, int64_t column0, int64_t width);
 
-struct PlannedCopy {
+// One row of the copy table as the kernel runs it: buffers resolved, axes simplified, tiles
+// planned. (Named apart from Python's aoa.PlannedCopy, the plan's row it is prepared from.)
+struct PreparedCopy {
   const uint8_t* source;  // at the offset
   uint8_t* destination;
   int64_t source_itemsize;
@@ -175,7 +177,7 @@ std::vector<CastStep> cast_steps(size_t copy, const std::vector<Dtype>& chain) {
 
 // Drop unit axes, order by destination stride, merge axes that are contiguous on both
 // sides (a contiguous tensor becomes one row, one memcpy), and tile a transpose.
-void simplify(PlannedCopy& copy) {
+void simplify(PreparedCopy& copy) {
   std::vector<Axis>& axes = copy.axes;
   axes.erase(std::remove_if(axes.begin(), axes.end(), [](const Axis& a) { return a.extent == 1; }),
              axes.end());
@@ -210,7 +212,7 @@ void simplify(PlannedCopy& copy) {
   copy.tiled = true;
 }
 
-void plan_tiles(PlannedCopy& copy, bool moves_bytes);
+void plan_tiles(PreparedCopy& copy, bool moves_bytes);
 
 class TableReader {
  public:
@@ -237,7 +239,7 @@ Dtype dtype_from_code(size_t copy, int64_t code) {
 }
 
 // Reads and checks one record; an empty region gives a copy with no bytes.
-PlannedCopy read_copy(size_t index, TableReader& reader, const std::vector<SourceBuffer>& sources,
+PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<SourceBuffer>& sources,
                       const std::vector<DestinationBuffer>& destinations) {
   const int64_t* head = reader.take(index, 7);
   const int64_t source = head[0], source_offset = head[1];
@@ -260,7 +262,7 @@ PlannedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sourc
   const int64_t* source_strides = reader.take(index, ndim);
   const int64_t* destination_strides = reader.take(index, ndim);
 
-  PlannedCopy copy{};
+  PreparedCopy copy{};
   copy.steps = cast_steps(index, chain);
   copy.source_itemsize = itemsize(chain.front());
   copy.destination_itemsize = itemsize(chain.back());
@@ -302,7 +304,7 @@ PlannedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sourc
 // ---------------------------------------------------------------------------------------
 // Walking a copy.
 
-void run_row(const PlannedCopy& copy, const uint8_t* source, int64_t source_stride,
+void run_row(const PreparedCopy& copy, const uint8_t* source, int64_t source_stride,
              uint8_t* destination, int64_t destination_stride, int64_t count) {
   if (copy.steps.size() == 1) {
     copy.steps[0].row(source, source_stride, destination, destination_stride, count);
@@ -325,7 +327,7 @@ void run_row(const PlannedCopy& copy, const uint8_t* source, int64_t source_stri
 }
 
 // A TileFn through rows, for any copy.
-void run_tile(const PlannedCopy& copy, const uint8_t* source, uint8_t* destination,
+void run_tile(const PreparedCopy& copy, const uint8_t* source, uint8_t* destination,
               int64_t row0, int64_t row_end, int64_t column0, int64_t width) {
   const Axis& rows = copy.axes[copy.axes.size() - 2];
   const Axis& columns = copy.axes.back();
@@ -339,7 +341,7 @@ void run_tile(const PlannedCopy& copy, const uint8_t* source, uint8_t* destinati
 // A TileFn for an exact transpose: whole blocks of Rows x Columns (inlined), then the
 // edges through rows.
 template <BlockFn Block, int64_t Rows, int64_t Columns>
-[[gnu::always_inline]] inline void transposed_tile(const PlannedCopy& copy, const uint8_t* source,
+[[gnu::always_inline]] inline void transposed_tile(const PreparedCopy& copy, const uint8_t* source,
                                                    uint8_t* destination, int64_t row0,
                                                    int64_t row_end, int64_t column0,
                                                    int64_t width) {
@@ -360,7 +362,7 @@ template <BlockFn Block, int64_t Rows, int64_t Columns>
 }
 
 template <BlockFn Block, int64_t Side>
-void run_transposed_tile(const PlannedCopy& copy, const uint8_t* source, uint8_t* destination,
+void run_transposed_tile(const PreparedCopy& copy, const uint8_t* source, uint8_t* destination,
                          int64_t row0, int64_t row_end, int64_t column0, int64_t width) {
   transposed_tile<Block, Side, Side>(copy, source, destination, row0, row_end, column0, width);
 }
@@ -368,7 +370,7 @@ void run_transposed_tile(const PlannedCopy& copy, const uint8_t* source, uint8_t
 #if defined(__x86_64__)
 // The walk over AVX2 blocks, compiled for AVX2 and flattened so that they inline.
 template <int64_t Size, bool Stream>
-AOA_AVX2 [[gnu::flatten]] void run_transposed_tile_avx2(const PlannedCopy& copy,
+AOA_AVX2 [[gnu::flatten]] void run_transposed_tile_avx2(const PreparedCopy& copy,
                                                         const uint8_t* source,
                                                         uint8_t* destination, int64_t row0,
                                                         int64_t row_end, int64_t column0,
@@ -384,7 +386,7 @@ template <int64_t Size> TileFn transposed_tile_avx2(bool stream) {
 
 // The first column from which the destination rows of a copy start on 64-byte lines (so
 // that its blocks write whole lines), or -1 where not every row does.
-int64_t first_aligned_column(const PlannedCopy& copy) {
+int64_t first_aligned_column(const PreparedCopy& copy) {
   const int64_t item = copy.destination_itemsize;
   const int64_t misalignment = static_cast<int64_t>(reinterpret_cast<uintptr_t>(copy.destination) % 64);
   const bool rows_aligned = std::all_of(copy.axes.begin(), copy.axes.end() - 1,
@@ -396,7 +398,7 @@ int64_t first_aligned_column(const PlannedCopy& copy) {
 
 // Exact byte transposes (the source contiguous down the rows, the destination along the
 // columns) go in blocks, AVX2 ones where the CPU has it; anything else through rows.
-void plan_tiles(PlannedCopy& copy, bool moves_bytes) {
+void plan_tiles(PreparedCopy& copy, bool moves_bytes) {
   const int64_t item = copy.source_itemsize;
   copy.tile_rows = copy.tile_columns = kTile;
   copy.first_column = 0;
@@ -436,7 +438,7 @@ void plan_tiles(PlannedCopy& copy, bool moves_bytes) {
 
 // The last two axes in tiles, rows of the second-to-last in [begin, end): each tile reads
 // the source lines it touches while they are still in cache.
-void run_tiles(const PlannedCopy& copy, const uint8_t* source, uint8_t* destination,
+void run_tiles(const PreparedCopy& copy, const uint8_t* source, uint8_t* destination,
                int64_t begin, int64_t end) {
   const int64_t columns = copy.axes.back().extent;
   for (int64_t row0 = begin; row0 < end; row0 += copy.tile_rows) {
@@ -450,7 +452,7 @@ void run_tiles(const PlannedCopy& copy, const uint8_t* source, uint8_t* destinat
 }
 
 // Axis `axis` of the copy, indices [begin, end) along it, everything inside it in full.
-void walk(const PlannedCopy& copy, size_t axis, const uint8_t* source, uint8_t* destination,
+void walk(const PreparedCopy& copy, size_t axis, const uint8_t* source, uint8_t* destination,
           int64_t begin, int64_t end) {
   const size_t loop_axes = copy.axes.size() - (copy.tiled ? 2 : 1);
   const Axis& a = copy.axes[axis];
@@ -473,13 +475,13 @@ void walk(const PlannedCopy& copy, size_t axis, const uint8_t* source, uint8_t* 
 
 // A copy, or the slice [begin, end) of its outermost axis.
 struct Piece {
-  const PlannedCopy* copy;
+  const PreparedCopy* copy;
   int64_t begin;
   int64_t end;
 };
 
 void run_piece(const Piece& piece) {
-  const PlannedCopy& copy = *piece.copy;
+  const PreparedCopy& copy = *piece.copy;
   if (copy.axes.empty()) {
     run_row(copy, copy.source, copy.source_itemsize, copy.destination,
             copy.destination_itemsize, 1);
@@ -495,7 +497,7 @@ struct WorkItems {
   std::vector<size_t> starts;
 };
 
-WorkItems split_work(const std::vector<PlannedCopy>& copies, int64_t target) {
+WorkItems split_work(const std::vector<PreparedCopy>& copies, int64_t target) {
   WorkItems work;
   int64_t batch_bytes = 0;
   auto close_batch = [&] {
@@ -503,7 +505,7 @@ WorkItems split_work(const std::vector<PlannedCopy>& copies, int64_t target) {
     batch_bytes = 0;
   };
   work.starts.push_back(0);
-  for (const PlannedCopy& copy : copies) {
+  for (const PreparedCopy& copy : copies) {
     if (copy.bytes == 0) continue;
     const int64_t extent = copy.axes.empty() ? 1 : copy.axes[0].extent;
     if (copy.bytes <= target || extent == 1) {
@@ -528,9 +530,9 @@ WorkItems split_work(const std::vector<PlannedCopy>& copies, int64_t target) {
 // Below this many bytes a call runs on the calling thread alone.
 constexpr int64_t kMinBytesPerThread = int64_t{1} << 18;
 
-void run_all(const std::vector<PlannedCopy>& copies, int64_t threads) {
+void run_all(const std::vector<PreparedCopy>& copies, int64_t threads) {
   int64_t total = 0;
-  for (const PlannedCopy& copy : copies)
+  for (const PreparedCopy& copy : copies)
     if (__builtin_add_overflow(total, copy.bytes, &total)) total = INT64_MAX;
   threads = std::max<int64_t>(1, std::min(threads, total / kMinBytesPerThread));
   // Several items per thread, so that uneven items still balance.
@@ -546,7 +548,7 @@ void execute_copies(const int64_t* table, int64_t table_length,
                     const std::vector<SourceBuffer>& sources,
                     const std::vector<DestinationBuffer>& destinations, int64_t threads) {
   if (threads < 1) throw CopyError("threads must be at least 1, not " + std::to_string(threads));
-  std::vector<PlannedCopy> copies;
+  std::vector<PreparedCopy> copies;
   TableReader reader(table, table_length);
   while (!reader.done()) copies.push_back(read_copy(copies.size(), reader, sources, destinations));
   run_all(copies, threads);

@@ -14,7 +14,6 @@ from collections.abc import Container, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, TextIO, runtime_checkable
 
 from aoa.ir import Program, Statement
-from aoa.source import SourceText
 from aoa.symbolic import Permute, SymbolicTensors, Tensor
 
 if TYPE_CHECKING:
@@ -47,24 +46,16 @@ class Printer:
         self.stream.write(text + "\n")
 
     def print_ir(self, ir: object) -> None:
-        """Whatever a pass left: units of text, a program, symbolic tensors, a plan, or a
-        pass's own form that prints itself."""
+        """Whatever a pass left: a program, symbolic tensors, or a pass's own form that
+        prints itself with the primitives below (resolve_chains', the plan pass's)."""
         if isinstance(ir, Program):
             self.print_program(ir)
         elif isinstance(ir, SymbolicTensors):
             self.print_tensors(ir)
         elif isinstance(ir, Printable):
             ir.print(self)
-        elif isinstance(ir, tuple) and all(isinstance(unit, SourceText) for unit in ir):
-            for unit in ir:
-                self.line(f"# {unit.name}")
-                self.stream.write(unit.text if unit.text.endswith("\n") else unit.text + "\n")
         else:
-            from aoa.plan import Plan
-
-            if not isinstance(ir, Plan):
-                raise TypeError(f"cannot print a {type(ir).__name__}")
-            self.print_plan(ir)
+            raise TypeError(f"cannot print a {type(ir).__name__}")
 
     # -- statements ------------------------------------------------------------------------
     def print_statement(self, statement: Statement) -> None:

@@ -1,8 +1,15 @@
-"""Expand the layout macros: `X^T`, `fused_ffn`, `fused_qkv_old`, `fused_qkv` (spec 5.6-5.10).
+"""Expand the layout macros: `X^T`, `fused_ffn`, `fused_qkv_old`, `fused_qkv` (spec 5.6-5.10),
+and PaddleFormers' `fused_in_proj`.
 
 They rewrite one statement into splits and concats over named pieces. `fused_ffn` and
 `fused_qkv_old` depend on how many shards the fused tensor has on each side, which the
 chains answer (resolve_chains.py); the shard count of `X^T` is the count of `X` (spec 0.4).
+
+The names of the pieces and transposed views are hygienic: none of them is a name the
+program or either checkpoint uses, so a generated piece never stands in for a user's
+tensor (Paddle's `a1` + `0` = `a10` would). Every part of a merge is cut into its own
+pieces (`q -> Q_0 … Q_{H-1}`, `k -> K_…`), so the reverse run of a merge is the true split
+and pieces of unequal size are caught where they are joined (propagate_shapes.py).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from math import lcm
 
 from aoa.errors import MacroError
 from aoa.ir import NOTHING, Attribute, Name, Program, Statement
+from aoa.layout import shard_count
 from aoa.limits import MAX_MACRO_NAMES
 from aoa.passes.context import CompileContext
 from aoa.passes.resolve_chains import ChainedProgram, Chains
@@ -19,28 +27,78 @@ from aoa.source import Span
 
 NAME = "expand_fused"
 TRANSPOSE_SUFFIX = "_transpose_tmp"
-FFN_PREFIX = "fused_ffn_tmp."
-QKV_OLD_PREFIX = "fused_qkv_old_tmp."
+FUSED_MACROS = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv", "fused_in_proj"})
+#: The macros that lay pieces out per shard: the pieces they join must be of one size.
+PER_SHARD_MACROS = frozenset({"fused_ffn", "fused_qkv_old"})
 
 _ALLOWED = {
     "fused_ffn": {"fused_ffn", "axis"},
     "fused_qkv_old": {"fused_qkv_old", "axis", "num_heads", "num_key_value_groups"},
     "fused_qkv": {"fused_qkv", "axis", "num_heads", "num_key_value_groups"},
+    "fused_in_proj": {"fused_in_proj", "axis", "tp_probe_key"},
 }
 
 
 @functools.cache
-def _ffn_layout(shards: int, pieces: int) -> tuple[str, ...]:
+def _ffn_layout(prefix: str, shards: int, pieces: int) -> tuple[str, ...]:
     """Per shard r: its gate pieces, then its up pieces (spec 5.9's F(t, S))."""
     per = pieces // shards
-    return tuple(f"{FFN_PREFIX}{half}_{r * per + j}" for r in range(shards)
+    return tuple(f"{prefix}{half}_{r * per + j}" for r in range(shards)
                  for half in ("GATE", "UP") for j in range(per))
 
 
+class FreshNames:
+    """Names for what the layout macros make, chosen so that none is a name the program or
+    either checkpoint uses (hygiene).
+
+    A macro's pieces live under a prefix that no such name starts with (`fused_ffn_tmp.`,
+    else `fused_ffn_tmp_1.`, ...); a transposed view is `X_transpose_tmp` unless that is
+    taken (then `X_transpose_tmp_1`, ...). Pieces end in digits and views in `_tmp` or a
+    number after it, so the families cannot meet either. Names are reused from statement
+    to statement: each statement's pieces are joined before the next statement runs."""
+
+    def __init__(self, program: Program, ctx: CompileContext) -> None:
+        self._program = program
+        self._ctx = ctx
+        self._prefixes: dict[str, str] = {}
+        self._views: dict[str, str] = {}
+
+    @functools.cached_property
+    def taken(self) -> frozenset[str]:
+        """Every name the program writes or reads, and every key of both checkpoints."""
+        ctx = self._ctx
+        names = {n.base for s in self._program.statements for n in (*s.left, *s.right)}
+        names.update(ctx.source, ctx.source_keys, ctx.destination or (), ctx.destination_keys)
+        return frozenset(names)
+
+    def prefix(self, stem: str) -> str:
+        """`stem.` or `stem_N.`: a prefix no taken name starts with."""
+        prefix = self._prefixes.get(stem)
+        if prefix is None:
+            prefix, number = f"{stem}.", 0
+            while any(name.startswith(prefix) for name in self.taken):
+                number += 1
+                prefix = f"{stem}_{number}."
+            self._prefixes[stem] = prefix
+        return prefix
+
+    def view(self, base: str) -> str:
+        """The name of the transposed view of ``base``."""
+        name = self._views.get(base)
+        if name is None:
+            name, number = base + TRANSPOSE_SUFFIX, 0
+            while name in self.taken:
+                number += 1
+                name = f"{base}{TRANSPOSE_SUFFIX}_{number}"
+            self._views[base] = name
+        return name
+
+
 class _Fuser:
-    def __init__(self, ctx: CompileContext, chains: Chains) -> None:
+    def __init__(self, ctx: CompileContext, chains: Chains, fresh: FreshNames) -> None:
         self.ctx = ctx
         self.chains = chains
+        self.fresh = fresh
         #: the Names and axis attributes made so far, per span (a span is a value: its
         #: file, line and columns), so that statements made alike share them
         self._names_by_span: dict[Span | None, dict[str, Name]] = {}
@@ -94,7 +152,7 @@ class _Fuser:
             base = name.text[:-2]
             view = seen.get(base)
             if view is None:
-                view = seen[base] = Name(base + TRANSPOSE_SUFFIX, name.span)
+                view = seen[base] = Name(self.fresh.view(base), name.span)
                 helpers.append(statement.derive("transpose", (Name(base, name.span),), (view,),
                                                 (permute,)))
             left.append(view)
@@ -127,6 +185,12 @@ class _Fuser:
         left, right = self._names(left, span), self._names(right, span)
         attributes = (self._axis(axis, span),) if len(left) > 1 or len(right) > 1 else ()
         return parent.derive(macro, left, right, attributes)
+
+    def _plain_concat(self, s: Statement, macro: str, axis: int, span) -> Statement:
+        """A forward merge laid out over one shard: the parts one after the other. Paddle's
+        cut into equal pieces and join gives the same bytes, whatever the parts' sizes
+        (a reverse run cuts each part into its own pieces instead, to split them back)."""
+        return self._make(s, macro, list(s.left), [s.right[0]], axis, span)
 
     def _names(self, names, span) -> tuple[Name, ...]:
         """Names for generated pieces, shared across statements (they repeat per layer)."""
@@ -170,8 +234,10 @@ class _Fuser:
 
     # fused_ffn ---------------------------------------------------------------------------
     def fused_ffn(self, written: Statement, s: Statement, flag: Attribute, axis: int):
+        prefix = self.fresh.prefix("fused_ffn_tmp")
+
         def layout(shards: int, pieces: int) -> tuple[str, ...]:
-            return _ffn_layout(shards, pieces)
+            return _ffn_layout(prefix, shards, pieces)
 
         span = flag.span
         if len(s.left) == 1 and len(s.right) in (1, 2):
@@ -193,15 +259,16 @@ class _Fuser:
             else:
                 for half, target in zip(("GATE", "UP"), s.right):
                     out.append(self._make(s, "fused_ffn",
-                                          [f"{FFN_PREFIX}{half}_{i}" for i in range(pieces)],
+                                          [f"{prefix}{half}_{i}" for i in range(pieces)],
                                           [target], axis, span))
             return out
         if len(s.left) == 2 and len(s.right) == 1:
-            gate, up = s.left
-            joined = f"{gate.text}.{up.text}.tmp"
             shards = self._count(written, written.right[0])
-            return [self._make(s, "fused_ffn", [gate, up], [joined], axis, span),
-                    self._make(s, "fused_ffn", [joined], layout(1, shards), axis, span),
+            if shards == 1 and not self.ctx.reverse:
+                return [self._plain_concat(s, "fused_ffn", axis, span)]
+            return [*(self._make(s, "fused_ffn", [whole],
+                                 [f"{prefix}{half}_{i}" for i in range(shards)], axis, span)
+                      for half, whole in zip(("GATE", "UP"), s.left)),
                     self._make(s, "fused_ffn", layout(shards, shards), [s.right[0]], axis,
                                span)]
         raise MacroError(
@@ -211,6 +278,8 @@ class _Fuser:
     # fused_qkv_old -----------------------------------------------------------------------
     def fused_qkv_old(self, written: Statement, s: Statement, flag: Attribute, axis: int):
         heads, groups = self._heads(s, flag)
+        prefix = self.fresh.prefix("fused_qkv_old_tmp")
+        counts = {"Q": heads, "K": groups, "V": groups}
 
         def layout(shards: int, name: Name) -> list[str]:
             for what, count in (("num_heads", heads), ("num_key_value_groups", groups)):
@@ -220,8 +289,11 @@ class _Fuser:
                         f"'{name.base}'", self._span_of_attribute(s, what),
                         hint="Each shard must hold whole query and key/value heads.")
             q, kv = heads // shards, groups // shards
-            return [f"{QKV_OLD_PREFIX}{letter}_{r * n + i}" for r in range(shards)
+            return [f"{prefix}{letter}_{r * n + i}" for r in range(shards)
                     for letter, n in (("Q", q), ("K", kv), ("V", kv)) for i in range(n)]
+
+        def pieces(letter: str) -> list[str]:
+            return [f"{prefix}{letter}_{i}" for i in range(counts[letter])]
 
         span = flag.span
         if len(s.left) == 1 and len(s.right) in (1, 3):
@@ -233,16 +305,15 @@ class _Fuser:
                 out.append(self._make(s, "fused_qkv_old", layout(dst_shards, s.right[0]),
                                       [s.right[0]], axis, span))
             else:
-                for letter, n, target in zip("QKV", (heads, groups, groups), s.right):
-                    out.append(self._make(s, "fused_qkv_old",
-                                          [f"{QKV_OLD_PREFIX}{letter}_{i}" for i in range(n)],
-                                          [target], axis, span))
+                out += [self._make(s, "fused_qkv_old", pieces(letter), [target], axis, span)
+                        for letter, target in zip("QKV", s.right)]
             return out
         if len(s.left) == 3 and len(s.right) == 1:
-            joined = ".".join(n.text for n in s.left) + ".tmp"
             dst_shards = self._count(written, written.right[0])
-            return [self._make(s, "fused_qkv_old", list(s.left), [joined], axis, span),
-                    self._make(s, "fused_qkv_old", [joined], layout(1, s.right[0]), axis, span),
+            if dst_shards == 1 and not self.ctx.reverse:
+                return [self._plain_concat(s, "fused_qkv_old", axis, span)]
+            return [*(self._make(s, "fused_qkv_old", [whole], pieces(letter), axis, span)
+                      for letter, whole in zip("QKV", s.left)),
                     self._make(s, "fused_qkv_old", layout(dst_shards, s.right[0]),
                                [s.right[0]], axis, span)]
         raise MacroError("fused_qkv_old takes `fused -> fused`, `fused -> q, k, v` or "
@@ -260,9 +331,10 @@ class _Fuser:
         else:
             raise MacroError("fused_qkv takes `q, k, v -> fused` or `fused -> q, k, v`",
                              s.span)
-        q_names = [f"{q.text}{i}" for i in range(heads)]
-        k_names = [f"{k.text}{g}" for g in range(groups)]
-        v_names = [f"{v.text}{g}" for g in range(groups)]
+        prefix = self.fresh.prefix("fused_qkv_tmp")
+        q_names = [f"{prefix}Q_{i}" for i in range(heads)]
+        k_names = [f"{prefix}K_{g}" for g in range(groups)]
+        v_names = [f"{prefix}V_{g}" for g in range(groups)]
         grouped = [name for g in range(groups)
                    for name in (*q_names[g * per_group:(g + 1) * per_group], k_names[g],
                                 v_names[g])]
@@ -276,8 +348,56 @@ class _Fuser:
                 self._make(s, "fused_qkv", grouped, [s.right[0]], axis, span)]
 
 
+
+    # fused_in_proj -----------------------------------------------------------------------
+    def fused_in_proj(self, written: Statement, s: Statement, flag: Attribute, axis: int):
+        """PaddleFormers 1.2.0's macro for Qwen3.5's linear attention (it registers it in
+        Paddle's macro table; Paddle 3.3.1 has none): `a, b, ... -> fused, fused_in_proj,
+        axis=A, tp_probe_key=KEY` cuts each source into as many equal pieces as KEY (else
+        the destination) has shards and lays them out rank by rank, [a_r, b_r, ...] for
+        each r, so that a plain split gives every rank its share of every part, however
+        unequal the parts. One shard: the parts one after the other."""
+        span = flag.span
+        if len(s.left) < 2 or len(s.right) != 1:
+            raise MacroError("fused_in_proj takes `a, b, ... -> fused` (two sources or more)",
+                             s.span, hint="Split a fused tensor back with a statement per "
+                                          "part size (its parts may differ in size).")
+        if self.ctx.reverse:
+            raise MacroError("fused_in_proj cannot run backwards: its parts may differ in "
+                             "size, and the fused tensor does not say where one ends", span,
+                             hint="Write the way back as splits into equal chunks and "
+                                  "concats of them, as PaddleFormers' inverse does.")
+        shards = self._probe_count(written, s)
+        if shards == 1:
+            return [self._plain_concat(s, "fused_in_proj", axis, span)]
+        if shards * len(s.left) > MAX_MACRO_NAMES:
+            raise MacroError(f"fused_in_proj of {len(s.left)} parts over {shards} shards "
+                             f"makes more than {MAX_MACRO_NAMES} pieces", span)
+        prefix = self.fresh.prefix("fused_in_proj_tmp")
+        pieces = [[f"{prefix}P{i}_{r}" for r in range(shards)] for i in range(len(s.left))]
+        return [*(self._make(s, "fused_in_proj", [whole], names, axis, span)
+                  for whole, names in zip(s.left, pieces)),
+                self._make(s, "fused_in_proj", [pieces[i][r] for r in range(shards)
+                                                for i in range(len(s.left))],
+                           [s.right[0]], axis, span)]
+
+    def _probe_count(self, written: Statement, s: Statement) -> int:
+        """Shards of the destination key `tp_probe_key` names; without one, of the
+        statement's own destination. A key with no shard information counts 1, as in
+        PaddleFormers."""
+        probe = s.attribute("tp_probe_key")
+        if probe is None:
+            return self._count(written, written.right[0])
+        if not isinstance(probe.value, str):
+            raise MacroError(f"tp_probe_key names a key, not {probe.value!r}", probe.span)
+        count, counts = shard_count(self.ctx.destination, probe.value)
+        if count is None and counts:
+            raise MacroError(f"the shard counts of '{probe.value}' and its optimizer states "
+                             f"differ ({counts})", probe.span)
+        return count or 1
+
 def run(chained: ChainedProgram, ctx: CompileContext) -> Program:
     program = chained.program
-    fuser = _Fuser(ctx, chained.chains)
+    fuser = _Fuser(ctx, chained.chains, FreshNames(program, ctx))
     return Program(tuple(out for index, statement in enumerate(program.statements)
                          for out in fuser.expand(index, statement)), program.shared)

@@ -19,6 +19,7 @@ from aoa.ir import NOTHING, Attribute, Name, Program, SharedInstances, Statement
 from aoa.layout import split_optimizer_suffix
 from aoa.limits import MAX_NUMBER_DIGITS, MAX_PIECES
 from aoa.passes.context import CompileContext
+from aoa.passes.expand_fused import FUSED_MACROS, PER_SHARD_MACROS
 from aoa.symbolic import InputTensors, Permute, SymbolicTensors, Tensor
 
 NAME = "propagate_shapes"
@@ -128,11 +129,17 @@ class _Machine:
             source = self.ref(left[0], statement)
             axis = self.axis(statement, source, attributes)
             if source.shape[axis] % len(right):
-                raise _error(ShapeError, f"cannot split '{left[0].text}' of shape "
-                             f"{list(source.shape)} into {len(right)} equal parts along axis "
-                             f"{axis}", statement.span, statement,
-                             hint=f"The size {source.shape[axis]} must be a multiple of "
-                                  f"{len(right)}.")
+                origin = statement.origin
+                if origin is not None and origin.macro in FUSED_MACROS:
+                    # a part the user named, cut into heads or per-shard pieces
+                    (written,) = _as_written(origin.statement, left, self.reverse)
+                    what = f"{origin.macro} cannot cut '{written}'"
+                else:
+                    what = f"cannot split '{left[0].text}'"
+                raise _error(ShapeError, f"{what} of shape {list(source.shape)} into "
+                             f"{len(right)} equal parts along axis {axis}", statement.span,
+                             statement, hint=f"The size {source.shape[axis]} must be a "
+                                             f"multiple of {len(right)}.")
             self.check_pieces(symbolic.split_pieces(source.piece_map, axis, len(right)),
                               statement)
             for name, part in zip(right, split(source, axis, len(right))):
@@ -142,6 +149,8 @@ class _Machine:
             tensors = [self.ref(name, statement) for name in left]
             axis = self.axis(statement, tensors[0], attributes)
             self.check_concat(statement, left, tensors, axis)
+            if statement.origin is not None and statement.origin.macro in PER_SHARD_MACROS:
+                self.check_fused_pieces(statement, tensors, axis)
             self.check_pieces(sum(len(t.piece_map.pieces) for t in tensors), statement)
             self.bind(right[0], concat(tensors, axis), statement)
             return
@@ -182,6 +191,51 @@ class _Machine:
                              name.span, statement,
                              hint="Cast the tensors to one dtype after the concat.")
 
+    def check_fused_pieces(self, statement: Statement, pieces: Sequence[Tensor],
+                           axis: int) -> None:
+        """A per-shard fused layout is a row of equal pieces (whole heads, equal halves).
+        Pieces cut from one tensor always are; pieces cut from the parts of a merge are
+        only when the parts are in proportion, as a split by the same macro gives them.
+        A forward merge over one shard joins the parts themselves: whatever their sizes,
+        that is their plain concat (as in Paddle), which a note points out."""
+        assert statement.origin is not None
+        macro, expanded = statement.origin.macro, statement.origin.statement
+        parts = expanded.right if self.reverse else expanded.left
+        plain = statement.left == parts
+        counts: tuple[int, ...] = (1, 1)
+        rule = "halves of one size"
+        if macro == "fused_qkv_old":
+            heads, groups = (expanded.attribute(key) for key in ("num_heads",
+                                                                 "num_key_value_groups"))
+            assert heads is not None and groups is not None
+            counts = (int(heads.value or 0), int(groups.value or 0), int(groups.value or 0))
+            rule = ("whole heads of one size in the proportion num_heads : "
+                    f"num_key_value_groups : num_key_value_groups = {' : '.join(map(str, counts))}")
+        sizes = [piece.shape[axis] for piece in pieces]
+        if not plain and len(set(sizes)) == 1:
+            return
+        if plain and all(size % n == 0 for size, n in zip(sizes, counts)) \
+                and len({size // n for size, n in zip(sizes, counts)}) == 1:
+            return
+        names = _as_written(expanded, parts, self.reverse)
+        shown = [f"'{name}' {list(self.ref(part, statement).shape)}"
+                 for name, part in zip(names, parts)]
+        described = ", ".join(shown[:-1]) + " and " + shown[-1]
+        if plain:
+            self.ctx.note(f"{macro} joins {described}, which along axis {axis} are not "
+                          f"{rule}: over one shard that is their plain concat",
+                          statement.span)
+            return
+        fused = (expanded.left if self.reverse else expanded.right)[0].text
+        if self.reverse:
+            hint = (f"Run forward, this statement cuts '{fused}' into {rule}, so no "
+                    "forward run gives these shapes back; check the shapes.")
+        else:
+            hint = (f"{macro} lays the parts out shard by shard; for a plain concat write "
+                    f"`{', '.join(names)} -> {fused}, axis={axis}`.")
+        raise _error(ValidationError, f"{macro} cannot merge {described}: along axis {axis} "
+                     f"they are not {rule}", statement.span, statement, hint=hint)
+
     def unary(self, statement: Statement, source: Tensor, attributes) -> Tensor:
         keys = [a.key for a in attributes]
         if len(attributes) == 2 and set(keys) == {"src_dtype", "dst_dtype"}:
@@ -209,9 +263,10 @@ class _Machine:
             self.check_dtype(attribute, statement)
             return cast(source, attribute.value)
         if attribute.key == "axis":
-            self.check_axis(attribute, source, statement)
+            # Paddle never reads the axis of an alias, so no value of it is an error (0.1)
             self.ctx.note("a single name on each side with axis= is an alias: the right "
-                          "name is the very same tensor", attribute.span)
+                          "name is the very same tensor (the axis is not used)",
+                          attribute.span)
             return source
         if attribute.key == "src_dtype":
             raise _error(ShapeError, "src_dtype needs dst_dtype beside it", attribute.span,
@@ -245,6 +300,19 @@ class _Machine:
                 inverse[a] = i
             return Permute(tuple(inverse), str(inverse))
         return Permute(axes, text)
+
+
+def _as_written(expanded: Statement, names: Sequence[Name], reverse: bool) -> list[str]:
+    """``names`` of a statement a macro expanded, as the user wrote them: a transposed
+    view made for `X^T` is shown as `X^T` (views keep the positions of their names)."""
+    origin = expanded.origin
+    if origin is None or origin.macro != "transpose":
+        return [name.text for name in names]
+    written = origin.statement
+    side, written_side = ((expanded.right, written.right) if reverse
+                          else (expanded.left, written.left))
+    return [written_side[side.index(name)].text if name in side else name.text
+            for name in names]
 
 
 _AXIS = rf"\d{{1,{MAX_NUMBER_DIGITS}}}"

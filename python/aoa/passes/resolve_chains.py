@@ -4,38 +4,66 @@ source key it comes from and on to the destination key it reaches (spec 5.11).
 The fused macros ask their shard counts through it: `w -> tmp, fused_ffn` then
 `tmp^T -> dst` lays `tmp` out for the shards of `dst`. Unlike Paddle's last-record-wins
 maps, the whole graph is followed (spec 0.4): every name is versioned at each write, so a
-rebinding such as `t -> t, dtype=...` is an edge, not a loop, and a temporary read twice is
-followed both ways (the ways must agree).
+rebinding such as `t -> t, dtype=...` is an edge, not a loop, and a temporary read twice,
+split or concatenated is followed every way (the ways must agree).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aoa.errors import ChainError
-from aoa.ir import NOTHING, Program, Statement
+from aoa.ir import FLAG_ATTRIBUTES, NOTHING, Program, Statement
 from aoa.layout import shard_count
 from aoa.passes.context import CompileContext
+from aoa.source import Span
 
 if TYPE_CHECKING:
     from aoa.printer import Printer
 
 NAME = "resolve_chains"
+#: The fused macros that lay their fused tensor out shard by shard.
+PER_SHARD_FLAGS = frozenset({"fused_ffn", "fused_qkv_old"})
+
+
+def _fused_flag(statement: Statement) -> str | None:
+    return next((a.key for a in statement.attributes if a.key in FLAG_ATTRIBUTES), None)
 
 
 @dataclass(frozen=True)
-class Terminal:
-    """Where a walk ended: a key of the source or destination (or nowhere known)."""
+class End:
+    """Where a walk through the data flow stopped: a key of the source or destination, or
+    a fused statement (``fused``), which lays the tensor out itself: the one that wrote it
+    (walking back; ``node`` is what it wrote) or one that reads it (walking on)."""
 
     key: str | None
-    statement: Statement | None  # the statement through which the walk reached it
+    #: the statements walked through, in execution order (a fused end's own included)
+    path: tuple[Statement, ...]
+    fused: Statement | None = None
+    node: int | None = None
+
+    @property
+    def what(self) -> tuple[str | None, int]:
+        """What tells two ends apart (the first way found to each is kept)."""
+        return self.key, id(self.fused)
+
+    def describe(self) -> str:
+        if self.fused is None:
+            return f"'{self.key}'"
+        where = self.fused.span.location() if self.fused.span else "?"
+        return f"the fused statement at {where}"
+
+
+Ends = dict[tuple[str | None, int], End]
 
 
 @dataclass
 class DataFlow:
     """Versioned names over the statements in execution order (reverse mode: reversed and
-    with sides swapped)."""
+    with sides swapped). A node is one version of a name; nodes are numbered as they are
+    made, so the nodes a statement reads have lower numbers than the ones it writes."""
 
     statements: list[Statement]
     reverse: bool
@@ -86,41 +114,28 @@ class DataFlow:
         self.consumers.append([])
         return len(self.node_name) - 1
 
-    def upstream(self, node: int) -> list[Terminal | Statement]:
-        """Source-side ends of the flow into ``node``; a Statement marks a many-to-one step."""
-        producer = self.producer[node]
-        if producer is None:
-            return [Terminal(self.node_name[node], None)]
-        inputs = self.inputs[producer]
-        if len(inputs) != 1:
-            return [self.statements[producer]] if inputs else [Terminal(None, None)]
-        return [end if not isinstance(end, Terminal) or end.statement else
-                Terminal(end.key, self.statements[producer]) for end in self.upstream(inputs[0])]
-
-    def downstream(self, node: int, destination_keys: frozenset[str]) -> list[Terminal | Statement]:
-        """Destination-side ends of the flow out of ``node``."""
-        name = self.node_name[node]
-        ends: list[Terminal | Statement] = []
-        if self.final.get(name) == node and name in destination_keys:
-            ends.append(Terminal(name, None))
-        for consumer in self.consumers[node]:
-            outputs = self.outputs[consumer]
-            if len(outputs) > 1:
-                ends.append(self.statements[consumer])
-            elif outputs:
-                for end in self.downstream(outputs[0], destination_keys):
-                    if isinstance(end, Terminal) and end.statement is None:
-                        end = Terminal(end.key, self.statements[consumer])
-                    ends.append(end)
-        return ends or [Terminal(None, None)]
-
 
 class Chains:
-    """Answers the fused macros' question: over how many shards is this name laid out?"""
+    """Answers the fused macros' question: over how many shards is this name laid out?
+
+    The layout of a fused tensor is the layout of the stored tensor its data flows from
+    (a name the statement reads) or to (a name it writes). The walk goes through renames,
+    casts, transposes and aliases, and through splits and concats (a piece of a split
+    comes from the whole; a part of a concat goes to the joined tensor; every piece of a
+    split and every part of a concat is followed), to the keys of the source or
+    destination. It stops at another fused statement: a tensor that one fused statement
+    writes and another reads is laid out as the writer decides (from the stored tensors it
+    reaches by other ways, else as one shard), and the reader takes that layout. Ways that
+    end in different shard counts are an error that names them."""
 
     def __init__(self, flow: DataFlow, ctx: CompileContext) -> None:
         self.flow = flow
         self.ctx = ctx
+        self._from: dict[int, Ends] = {}
+        self._to: dict[int, Ends] = {}
+        self._written: dict[int, int] = {}
+        #: the statement whose question is being answered (errors point at it)
+        self._asked_by: Statement | None = None
 
     def temporaries(self) -> list[tuple[str, list[str], list[str]]]:
         """(name, where its data comes from, where it goes) for every name a statement
@@ -139,8 +154,7 @@ class Chains:
                 continue
             name = flow.node_name[node]
             rows.append((label if versions[name] > 1 else name,
-                         _ends(flow.upstream(node)),
-                         _ends(flow.downstream(node, self.ctx.destination_keys))))
+                         _described(self._sources(node)), _described(self._destinations(node))))
         return rows
 
     def shard_count(self, index: int, name: str, *, left: bool) -> int:
@@ -153,69 +167,165 @@ class Chains:
         flow = self.flow
         executed = flow.executed(index)
         statement = flow.statements[executed]
-        reads = left != flow.reverse
-        info: dict | None
-        if reads:
+        self._asked_by = statement
+        if left != flow.reverse:
             read = next(n for n in flow.inputs[executed] if flow.node_name[n] == name)
-            ends, info, what = flow.upstream(read), self.ctx.source, "source"
-        else:
-            written = next(n for n in flow.outputs[executed] if flow.node_name[n] == name)
-            ends = flow.downstream(written, self.ctx.destination_keys)
-            info, what = self.ctx.destination, "destination"
-            if info is None:
-                return 1
-        counts: dict[int, Terminal] = {}
-        ambiguous: Statement | None = None
-        for end in ends:
-            if isinstance(end, Statement):
-                ambiguous = ambiguous or end
+            return self._decide(statement, name, self._sources(read), "source")
+        written = next(n for n in flow.outputs[executed] if flow.node_name[n] == name)
+        return self._written_count(statement, written)
+
+    def _written_count(self, statement: Statement, node: int) -> int:
+        """The layout a statement writes ``node`` in: that of the destination it reaches."""
+        count = self._written.get(node)
+        if count is None:
+            count = 1 if self.ctx.destination is None else self._decide(
+                statement, self.flow.node_name[node], self._destinations(node), "destination")
+            self._written[node] = count
+        return count
+
+    def _sources(self, node: int) -> Ends:
+        """The ends of the ways from ``node`` back to where its data is laid out: source
+        keys, or the fused statement that wrote it."""
+        flow = self.flow
+
+        def upstream(n: int) -> list[int]:
+            producer = flow.producer[n]
+            if producer is None or _fused_flag(flow.statements[producer]) is not None:
+                return []
+            return flow.inputs[producer]
+
+        # answered in ascending order, each node finds its inputs' answers made (no
+        # recursion, however long the chain)
+        for n in sorted(_unanswered(node, upstream, self._from)):
+            self._from[n] = self._sources_of(n)
+        return self._from[node]
+
+    def _sources_of(self, node: int) -> Ends:
+        flow = self.flow
+        producer = flow.producer[node]
+        if producer is None:
+            end = End(flow.node_name[node], ())
+            return {end.what: end}
+        statement = flow.statements[producer]
+        if _fused_flag(statement) is not None:
+            end = End(None, (statement,), statement, node)
+            return {end.what: end}
+        ends: Ends = {}
+        for read in flow.inputs[producer]:
+            for what, end in self._from[read].items():
+                if what not in ends:
+                    ends[what] = End(end.key, (*end.path, statement), end.fused, end.node)
+        return ends
+
+    def _destinations(self, node: int) -> Ends:
+        """The ends of the ways from ``node`` on: destination keys, and the fused
+        statements that read it."""
+        flow = self.flow
+
+        def downstream(n: int) -> list[int]:
+            return [written for consumer in flow.consumers[n]
+                    if _fused_flag(flow.statements[consumer]) is None
+                    for written in flow.outputs[consumer]]
+
+        for n in sorted(_unanswered(node, downstream, self._to), reverse=True):
+            self._to[n] = self._destinations_of(n)
+        return self._to[node]
+
+    def _destinations_of(self, node: int) -> Ends:
+        flow = self.flow
+        ends: Ends = {}
+        name = flow.node_name[node]
+        if flow.final.get(name) == node and name in self.ctx.destination_keys:
+            end = End(name, ())
+            ends[end.what] = end
+        for consumer in flow.consumers[node]:
+            statement = flow.statements[consumer]
+            if _fused_flag(statement) is not None:
+                end = End(None, (statement,), statement)
+                ends.setdefault(end.what, end)
                 continue
-            if end.key is None:
-                continue
+            for written in flow.outputs[consumer]:
+                for what, end in self._to[written].items():
+                    if what not in ends:
+                        ends[what] = End(end.key, (statement, *end.path), end.fused)
+        return ends
+
+    def _count(self, end: End, what: str) -> int | None:
+        """Over how many shards the tensor is laid out at ``end`` (None: not said there)."""
+        if end.key is not None:
+            info = self.ctx.source if what == "source" else self.ctx.destination
             count, per_key = shard_count(info, end.key)
             if count is None and per_key:
                 raise ChainError(
                     f"the {what} shards of '{end.key}' and its optimizer states disagree: "
-                    + ", ".join(f"{k}: {v}" for k, v in per_key.items()), statement.span,
+                    + ", ".join(f"{k}: {v}" for k, v in per_key.items()),
+                    self._asked_by.span if self._asked_by else None,
                     hint="Every optimizer state must be sharded like its parameter.")
+            return count
+        if what == "destination" or end.fused is None or end.node is None:
+            return None  # a fused statement reads it: in the layout decided here
+        producer = self.flow.producer[end.node]
+        if (_fused_flag(end.fused) in PER_SHARD_FLAGS and producer is not None
+                and len(self.flow.outputs[producer]) == 1):
+            return self._written_count(end.fused, end.node)
+        return 1  # fused_qkv's grouped layout, or a plain part of a split form
+
+    def _decide(self, statement: Statement, name: str, ends: Ends, what: str) -> int:
+        counts: dict[int, End] = {}
+        for end in ends.values():
+            count = self._count(end, what)
             if count is not None:
                 counts.setdefault(count, end)
         if len(counts) > 1:
             (a, first), (b, second) = list(counts.items())[:2]
-            related = [(f"'{name}' reaches '{t.key}' ({n} shards) here", t.statement.span)
-                       for n, t in ((a, first), (b, second)) if t.statement is not None]
             raise ChainError(
                 f"'{name}' is laid out over {a} shards one way and {b} the other: its "
-                f"{what} key is ambiguous", statement.span, related=related,
-                hint="Give each fused layout its own temporary name.")
+                f"{what} key is ambiguous", statement.span,
+                related=[_way(name, end, n, what) for n, end in ((a, first), (b, second))],
+                hint="Route the fused tensor to keys of one shard layout, or give each "
+                     "layout its own fused statement and temporary name.")
         if counts:
             return next(iter(counts))
-        if ambiguous is not None:
-            raise ChainError(
-                f"cannot tell which {what} key '{name}' stands for: it flows through a "
-                "statement with several names on the other side", statement.span,
-                related=[("the many-to-one step", ambiguous.span)],
-                hint="Route the fused tensor through one-to-one statements (renames, "
-                     "transposes, casts) to its key.")
-        if info:
+        if any(end.fused is not None for end in ends.values()):
+            self.ctx.note(f"'{name}' flows into another fused statement and reaches no "
+                          "destination key: laid out as one shard", statement.span)
+        elif self.ctx.source if what == "source" else self.ctx.destination:
             self.ctx.note(f"no {what} shards found for '{name}': laid out as one shard",
                           statement.span)
         return 1
 
 
-def _ends(ends: list[Terminal | Statement]) -> list[str]:
-    """How `temporaries` names the ends of a walk: a key, a step with several names on the
-    other side, or nothing known."""
-    texts = []
-    for end in ends:
-        if isinstance(end, Statement):
-            where = end.span.location() if end.span else "?"
-            text = f"several names at {where}"
-        else:
-            text = "nothing known" if end.key is None else f"'{end.key}'"
-        if text not in texts:
-            texts.append(text)
-    return texts
+def _unanswered(start: int, neighbours: Callable[[int], list[int]], answered: dict) -> set[int]:
+    """The nodes reachable from ``start`` that have no answer yet (an explicit stack)."""
+    found: set[int] = set()
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        if node in found or node in answered:
+            continue
+        found.add(node)
+        stack.extend(neighbours(node))
+    return found
+
+
+def _described(ends: Ends) -> list[str]:
+    return [end.describe() for end in ends.values()] or ["nothing known"]
+
+
+def _way(name: str, end: End, count: int, what: str) -> tuple[str, Span | None]:
+    """A note on one way of an ambiguous layout: where it ends and through what."""
+    if end.fused is not None:
+        return (f"'{name}' is written by `{end.fused}`, which lays it out over {count} "
+                "shards", end.fused.span)
+    if not end.path:
+        return f"'{name}' is the {what} key '{end.key}' itself ({count} shards)", None
+    shown = [f"`{statement}`" for statement in end.path]
+    if len(shown) > 4:
+        shown = [*shown[:2], f"... ({len(shown) - 3} more)", shown[-1]]
+    nearest = end.path[-1] if what == "destination" else end.path[0]
+    reach = "reaches" if what == "destination" else "comes from"
+    return (f"'{name}' {reach} '{end.key}' ({count} shards) through {', '.join(shown)}",
+            nearest.span)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
+from aoa.storage.mapped import MappedWriter
 from aoa.storage.safetensors import SafetensorsWriter, partial_path
 
 
@@ -35,7 +36,7 @@ class Staging:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.writers: list[SafetensorsWriter] = []
+        self.writers: list[SafetensorsWriter | MappedWriter] = []
 
     @contextlib.contextmanager
     def safetensors(
@@ -43,6 +44,14 @@ class Staging:
     ) -> Iterator[SafetensorsWriter]:
         """A safetensors file of the call, finished (fsynced, unmapped) when the block ends."""
         writer = SafetensorsWriter(self.folder / name, tensors, metadata)
+        self.writers.append(writer)
+        yield writer
+        writer.finish()
+
+    @contextlib.contextmanager
+    def mapped(self, name: str, nbytes: int) -> Iterator[MappedWriter]:
+        """A file of ``nbytes`` laid out by its format, finished when the block ends."""
+        writer = MappedWriter(self.folder / name, nbytes)
         self.writers.append(writer)
         yield writer
         writer.finish()
@@ -61,10 +70,15 @@ class Staging:
 
 def write_text(path: Path, text: str) -> None:
     """Write a small file atomically: a partial dot-file, fsync, rename."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write a small file atomically: a partial dot-file, fsync, rename."""
     partial = partial_path(path)
     try:
-        with open(partial, "w", encoding="utf-8") as file:
-            file.write(text)
+        with open(partial, "wb") as file:
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(partial, path)

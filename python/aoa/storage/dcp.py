@@ -1,0 +1,374 @@
+"""The ``dcp`` format: PyTorch Distributed Checkpoint (``torch.distributed.checkpoint.save`` with
+its file system writer; torchtitan, FSDP2), read and written without torch.
+
+A checkpoint is a folder of:
+
+* ``.metadata``: a pickle of ``Metadata``: ``state_dict_metadata`` gives each key's dtype,
+  global size and chunks (offsets and sizes), or marks it as bytes (a non-tensor object);
+  ``storage_data`` maps each chunk (``MetadataIndex``: key and offsets) to a byte range of a
+  data file (``_StorageInfo``: relative path, offset, length).
+* ``__{rank}_{n}.distcp``: each chunk a complete ``torch.save`` archive of the chunk's tensor
+  (`aoa.storage.torch_save`), the archives back to back.
+
+Reading maps the data files and finds each chunk's bytes in its archive, in place. Objects
+saved as bytes (a step count, a data loader's state) are not tensors and are not read.
+Archives transformed by DCP's stream extensions (compression) are refused.
+
+Writing: one ``__{rank}_0.distcp`` per rank, one archive per shard, each aligned to 64 bytes
+and filled in place by the kernel; then ``.metadata``. A box held by several ranks is
+written once, as DCP's planner keeps one copy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+from aoa.errors import StorageError
+from aoa.layout import ShardDesc
+from aoa.storage import pickler, unpickler
+from aoa.storage.chunks import Chunk, key_shards
+from aoa.storage.folder import Staging, output_folder, write_bytes
+from aoa.storage.formats import Destination, Fill, Format, OutputFile, Piece, Source
+from aoa.storage.mapped import MappedFiles, Stored
+from aoa.storage.pickler import PAYLOAD_ALIGNMENT, Build, Call, Global, New
+from aoa.storage.torch_save import (
+    TORCH_DTYPES,
+    SavedTensor,
+    TensorToSave,
+    TorchSaveLayout,
+    read_torch_save,
+    stored,
+)
+
+METADATA_NAME = ".metadata"
+_MD = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+_PLANNER = "torch.distributed.checkpoint.planner"
+#: The version DCP 2.x writes.
+DCP_VERSION = "1.0.0"
+
+ALLOWED: unpickler.Allowed = unpickler.records(
+    *(f"{_MD}.{name}" for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    f"{_FS}._StorageInfo", f"{_FS}._StoragePrefix",
+    # Megatron-Core keeps every rank's save plan in the metadata (not read here)
+    *(f"{_PLANNER}.{name}" for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")),
+    "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata",
+    "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan",
+    "torch.Size", "torch.serialization._get_layout", "torch.device",
+    "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib.WindowsPath",
+    *(f"torch.{name}" for name in TORCH_DTYPES),
+)
+
+
+# ------------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """A stored chunk of a key and the byte range of its archive."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    key: str
+    dtype: str
+    size: tuple[int, ...]
+    chunks: list[DcpChunk]
+
+
+def read_metadata(data: memoryview, where: Path) -> tuple[dict[str, DcpTensor], list[str]]:
+    """The tensors of the metadata pickle at ``where`` (every field checked), and the keys
+    saved as bytes."""
+    fields = unpickler.fields(unpickler.load(data, where, ALLOWED), f"{_MD}.Metadata", where,
+                              "the metadata")
+    state, storage = fields.get("state_dict_metadata"), fields.get("storage_data")
+    if not isinstance(state, dict) or not isinstance(storage, dict):
+        raise StorageError(f"{where}: the metadata has no state_dict_metadata and "
+                           "storage_data dicts")
+    places = _storage_places(storage, where)
+    tensors: dict[str, DcpTensor] = {}
+    objects: list[str] = []
+    for key, entry in state.items():
+        key = unpickler.string(key, where, "a key of state_dict_metadata")
+        if unpickler.is_record(entry, f"{_MD}.BytesStorageMetadata"):
+            objects.append(key)
+            continue
+        tensors[key] = _tensor(key, entry, places, where)
+    return tensors, objects
+
+
+def _storage_places(storage: dict, where: Path) -> dict[tuple[str, tuple[int, ...] | None],
+                                                        tuple[str, int, int]]:
+    places = {}
+    for index, info in storage.items():
+        fields = unpickler.fields(index, f"{_MD}.MetadataIndex", where,
+                                  "a key of storage_data")
+        key = unpickler.string(fields.get("fqn"), where, "MetadataIndex.fqn")
+        offset = fields.get("offset")
+        offsets = None if offset is None else unpickler.int_tuple(
+            offset, where, f"MetadataIndex of '{key}': offset")
+        what = f"the storage of '{key}'"
+        info_fields = unpickler.fields(info, f"{_FS}._StorageInfo", where, what)
+        if info_fields.get("transform_descriptors"):
+            raise StorageError(f"{where}: {what} is transformed by "
+                               f"{info_fields['transform_descriptors']!r} (a DCP stream "
+                               "extension), which aoa does not read")
+        path = unpickler.string(info_fields.get("relative_path"), where, f"{what}: path")
+        if Path(path).name != path or not path:
+            raise StorageError(f"{where}: {what} names file '{path}', not a name inside the "
+                               "folder")
+        start, length = unpickler.int_tuple(
+            (info_fields.get("offset"), info_fields.get("length")), where,
+            f"{what}: offset and length")
+        places[(key, offsets)] = (path, start, length)
+    return places
+
+
+def _tensor(key: str, entry: Any, places: dict, where: Path) -> DcpTensor:
+    what = f"TensorStorageMetadata of '{key}'"
+    fields = unpickler.fields(entry, f"{_MD}.TensorStorageMetadata", where, what)
+    size = unpickler.int_tuple(fields.get("size"), where, f"{what}: size")
+    dtype = _dtype(fields.get("properties"), where, what)
+    chunks_value = fields.get("chunks")
+    if not isinstance(chunks_value, list):
+        raise StorageError(f"{where}: {what} has no list of chunks")
+    chunks = []
+    for chunk in chunks_value:
+        chunk_fields = unpickler.fields(chunk, f"{_MD}.ChunkStorageMetadata", where,
+                                        f"a chunk of '{key}'")
+        offsets = unpickler.int_tuple(chunk_fields.get("offsets"), where,
+                                      f"a chunk of '{key}': offsets", size=len(size))
+        sizes = unpickler.int_tuple(chunk_fields.get("sizes"), where,
+                                    f"a chunk of '{key}': sizes", size=len(size))
+        place = places.get((key, offsets))
+        if place is None:
+            raise StorageError(f"{where}: the chunk of '{key}' at {list(offsets)} has no "
+                               "entry in storage_data")
+        chunks.append(DcpChunk(key, offsets, sizes, *place))
+    return DcpTensor(key, dtype, size, chunks)
+
+
+def _dtype(properties: Any, where: Path, what: str) -> str:
+    if not unpickler.is_record(properties, f"{_MD}.TensorProperties"):
+        raise StorageError(f"{where}: {what} has no TensorProperties")
+    state = properties.state
+    value = state[0] if isinstance(state, tuple) and state else (
+        state.get("dtype") if isinstance(state, dict) else None)
+    if not (isinstance(value, unpickler.RecordClass) and value.module == "torch"
+            and value.name in TORCH_DTYPES):
+        raise StorageError(f"{where}: {what} has dtype {value!r}, which aoa does not read")
+    return TORCH_DTYPES[value.name]
+
+
+def metadata_value(boxes: Sequence[tuple[ShardDesc, str, int, int]]) -> Build:
+    """The pickle of ``Metadata`` for (box, file name, archive offset, archive length)."""
+    layout = Call(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+    contiguous = Call(Global(_MD, "_MEM_FORMAT_ENCODING"), (0,))
+    tensors: dict[str, dict[str, Any]] = {}
+    storage: list[tuple[Build, Build]] = []
+    for shard, file, offset, length in boxes:
+        entry = tensors.get(shard.key)
+        if entry is None:
+            properties = Build(New(Global(_MD, "TensorProperties")), (
+                Global("torch", shard.dtype or "float32"), layout, False, contiguous, False))
+            entry = tensors[shard.key] = {"properties": properties,
+                                          "size": _size(shard.global_shape), "chunks": []}
+        entry["chunks"].append(Build(New(Global(_MD, "ChunkStorageMetadata")), {
+            "offsets": _size(shard.global_offset), "sizes": _size(shard.local_shape)}))
+        index = Build(New(Global(_MD, "MetadataIndex")), {
+            "fqn": shard.key, "offset": _size(shard.global_offset),
+            "index": len(entry["chunks"]) - 1})
+        storage.append((index, Build(New(Global(_FS, "_StorageInfo")), {
+            "relative_path": file, "offset": offset, "length": length})))
+    return Build(New(Global(_MD, "Metadata")), {
+        "state_dict_metadata": {key: Build(New(Global(_MD, "TensorStorageMetadata")), entry)
+                                for key, entry in tensors.items()},
+        "planner_data": {key: (key,) for key in tensors},
+        "storage_data": pickler.Pairs(tuple(storage)),
+        "storage_meta": Build(New(Global(_MD, "StorageMeta")), {
+            "checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None,
+            "modules": []}),
+        "version": DCP_VERSION,
+    })
+
+
+def _size(values: tuple[int, ...]) -> Call:
+    return Call(Global("torch", "Size"), (values,))
+
+
+# -------------------------------------------------------------------------------- reading
+
+
+class DcpSource(Source[Stored]):
+    """An open DCP checkpoint: the mapped data files and where each chunk's bytes lie."""
+
+    def __init__(self, path: Path, format: str, metadata: Path, files: MappedFiles,
+                 stored: dict[str, list[tuple[ShardDesc, Stored]]], objects: list[str]) -> None:
+        super().__init__(path, format, stored)
+        self.metadata = metadata
+        #: keys saved as bytes objects (not tensors; not read)
+        self.objects = objects
+        self._files = files
+
+    def buffer(self, shard: ShardDesc) -> memoryview:
+        return self.location(shard).buffer()
+
+    def release(self, shard: ShardDesc) -> None:
+        self.location(shard).release()
+
+    def file_of(self, shard: ShardDesc) -> Path:
+        return self.location(shard).file.path
+
+    def files(self) -> list[Path]:
+        return sorted([self.metadata, *self._files.files])
+
+    def close(self) -> None:
+        self._files.close()
+
+
+def claims(path: Path) -> bool:
+    """A folder with DCP's ``.metadata`` (and not Megatron-Core's ``metadata.json``)."""
+    return (path.is_dir() and (path / METADATA_NAME).is_file()
+            and not (path / "metadata.json").is_file())
+
+
+def open_dcp(path: Path, *, format: str = "dcp",
+             source: type[DcpSource] = DcpSource) -> DcpSource:
+    """Open the DCP checkpoint in folder ``path`` (as ``source``, for formats built on it)."""
+    folder = path.parent if path.is_file() and path.name == METADATA_NAME else path
+    metadata_path = folder / METADATA_NAME
+    if not metadata_path.is_file():
+        raise StorageError(f"{folder}: no {METADATA_NAME} file (PyTorch DCP) in this folder")
+    files = MappedFiles()
+    try:
+        tensors, objects = read_metadata(files.open(metadata_path).data, metadata_path)
+        files.close()
+        stored = {key: _key_shards(tensor, metadata_path, files)
+                  for key, tensor in tensors.items()}
+        return source(folder, format, metadata_path, files, stored, objects)
+    except BaseException:
+        files.close()
+        raise
+
+
+def _key_shards(tensor: DcpTensor, where: Path,
+                files: MappedFiles) -> list[tuple[ShardDesc, Stored]]:
+    chunks = []
+    for chunk in tensor.chunks:
+        path = where.parent / chunk.file
+        if not path.is_file():
+            raise StorageError(f"{where}: names data file '{chunk.file}' (for '{tensor.key}'), "
+                               "which does not exist")
+        mapped = files.open(path)
+        if chunk.offset + chunk.length > mapped.size:
+            raise StorageError(f"{path}: truncated: the chunk of '{tensor.key}' at "
+                               f"{list(chunk.offsets)} needs bytes [{chunk.offset}, "
+                               f"{chunk.offset + chunk.length}) of a file of {mapped.size}")
+        saved = read_torch_save(mapped.data, path, chunk.offset, chunk.offset + chunk.length)
+        what = f"the chunk of '{tensor.key}' at {list(chunk.offsets)}"
+        if not isinstance(saved, SavedTensor):
+            raise StorageError(f"{path}: {what} holds a {type(saved).__name__}, not a tensor")
+        if saved.dtype != tensor.dtype or saved.shape != chunk.sizes:
+            raise StorageError(f"{path}: {what} is {saved.dtype} {list(saved.shape)}, but the "
+                               f"metadata says {tensor.dtype} {list(chunk.sizes)}")
+        chunks.append(Chunk(chunk.sizes, chunk.offsets, tensor.dtype, path,
+                            stored(saved, mapped)))
+    if not chunks:
+        raise StorageError(f"{where}: tensor '{tensor.key}' has no chunks")
+    return cast(list[tuple[ShardDesc, Stored]], key_shards(tensor.key, chunks, tensor.size))
+
+
+# -------------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A shard's archive in a data file."""
+
+    shard: int
+    offset: int
+    layout: TorchSaveLayout
+
+
+class DcpDestination(Destination):
+    """One ``__{rank}_0.distcp`` per rank, one ``torch.save`` archive per shard; then
+    ``.metadata``."""
+
+    format = "dcp"
+    sharded = True
+    patterns: ClassVar[tuple[str, ...]] = ("*.distcp", METADATA_NAME)
+
+    @classmethod
+    def plan_files(cls, shards: Sequence[ShardDesc], ranks: Sequence[Sequence[int]] | None,
+                   *, max_file_bytes: int | None = None) -> list[OutputFile]:
+        """``__{rank}_0.distcp`` (ranks from 0); without ranks, rank 0 holds every shard."""
+        groups = [range(len(shards))] if ranks is None else ranks
+        return [OutputFile(f"__{rank}_0.distcp", tuple(indices),
+                           sum(shards[i].nbytes for i in indices))
+                for rank, indices in enumerate(groups)]
+
+    def _items(self) -> dict[str, tuple[list[_Item], int]]:
+        """Each file's archives (a box held by several ranks only in the first file that
+        lists it) and the file's size."""
+        seen: set[tuple] = set()
+        laid: dict[str, tuple[list[_Item], int]] = {}
+        for file in self.files:
+            items, position = [], 0
+            for index in file.shards:
+                shard = self.shards[index]
+                box = (shard.key, shard.global_offset, shard.local_shape)
+                if box in seen:
+                    continue
+                seen.add(box)
+                layout = TorchSaveLayout([TensorToSave(shard.dtype or "float32",
+                                                       shard.local_shape)], base=position)
+                items.append(_Item(index, position, layout))
+                position += math.ceil(layout.nbytes / PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+            laid[file.filename] = (items, position)
+        return laid
+
+    def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
+        folder = output_folder(self.folder)
+        laid = self._items()
+        with Staging(folder) as staging:
+            for file in self.files if files is None else files:
+                items, nbytes = laid[file.filename]
+                with staging.mapped(file.filename, nbytes) as writer:
+                    fill([Piece(item.shard, writer.view(item.offset + item.layout.data_offset(0),
+                                                        self.shards[item.shard].nbytes))
+                          for item in items])
+                    # headers and CRC-32s, archives in parallel (zlib releases the GIL)
+                    views = [writer.view(item.offset, item.layout.nbytes) for item in items]
+                    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+                        list(pool.map(lambda item, view: item.layout.write(view), items,
+                                      views))
+            return staging.commit()
+
+    def commit(self) -> list[Path]:
+        """Write ``.metadata``: every distinct box and its archive's place."""
+        boxes = [(self.shards[item.shard], name, item.offset, item.layout.nbytes)
+                 for name, (items, _) in self._items().items() for item in items]
+        path = output_folder(self.folder) / METADATA_NAME
+        write_bytes(path, pickler.dumps(metadata_value(boxes)).bytes())
+        return [path]
+
+
+FORMAT = Format("dcp", "PyTorch Distributed Checkpoint: .metadata and __{rank}_{n}.distcp",
+                claims, open_dcp, DcpDestination)

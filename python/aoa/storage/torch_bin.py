@@ -1,0 +1,125 @@
+"""The ``bin`` format (read only): ``pytorch_model.bin``, or the files a
+``pytorch_model.bin.index.json`` names, each a ``torch.save`` of a state dict.
+
+Read without torch (`aoa.storage.torch_save`): every tensor is whole (global offset zeros),
+its bytes in place in the file's mapping; a tensor stored as a strided view of a larger
+storage (a transposed weight, tied weights) is honoured, and one that is not C-contiguous is
+gathered into C order when read. Nested dicts give dotted keys; values that are not tensors
+(a step count) are not read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from aoa.errors import StorageError
+from aoa.layout import ShardDesc
+from aoa.storage.formats import Format, Source
+from aoa.storage.mapped import MappedFiles, Stored
+from aoa.storage.torch_save import SavedTensor, read_torch_save, stored
+
+SINGLE_NAME = "pytorch_model.bin"
+INDEX_NAME = "pytorch_model.bin.index.json"
+_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+class TorchBinSource(Source[Stored]):
+    """Open ``torch.save`` files of whole tensors."""
+
+    def __init__(self, path: Path, files: MappedFiles,
+                 stored: dict[str, list[tuple[ShardDesc, Stored]]]) -> None:
+        super().__init__(path, "bin", stored)
+        self._files = files
+
+    def buffer(self, shard: ShardDesc) -> memoryview:
+        return self.location(shard).buffer()
+
+    def release(self, shard: ShardDesc) -> None:
+        self.location(shard).release()
+
+    def file_of(self, shard: ShardDesc) -> Path:
+        return self.location(shard).file.path
+
+    def files(self) -> list[Path]:
+        return sorted(self._files.files)
+
+    def close(self) -> None:
+        self._files.close()
+
+
+def claims(path: Path) -> bool:
+    """A ``.bin``/``.pt`` file that is a zip archive, or a folder with ``pytorch_model.bin``
+    or its index."""
+    if path.is_file():
+        if path.suffix not in _SUFFIXES:
+            return False
+        with open(path, "rb") as file:
+            return file.read(4) == b"PK\x03\x04"
+    return path.is_dir() and ((path / SINGLE_NAME).is_file() or (path / INDEX_NAME).is_file())
+
+
+def open_bin(path: Path) -> TorchBinSource:
+    """Open a ``torch.save`` file, or a folder of ``pytorch_model.bin`` files."""
+    if path.is_file():
+        names = [path]
+    elif (path / INDEX_NAME).is_file():
+        names = _index_files(path / INDEX_NAME)
+    elif (path / SINGLE_NAME).is_file():
+        names = [path / SINGLE_NAME]
+    else:
+        raise StorageError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME} in this folder"
+                           if path.is_dir() else f"{path}: no such checkpoint file or folder")
+    files = MappedFiles()
+    try:
+        found: dict[str, list[tuple[ShardDesc, Stored]]] = {}
+        found_in: dict[str, Path] = {}
+        for name in names:
+            mapped = files.open(name)
+            state = read_torch_save(mapped.data, name)
+            if not isinstance(state, dict):
+                raise StorageError(f"{name}: holds a {type(state).__name__}, not a state dict")
+            for key, tensor in _flat(state):
+                if key in found_in:
+                    raise StorageError(f"tensor '{key}' is in both {found_in[key]} and {name}")
+                found_in[key] = name
+                shard = ShardDesc.full(key, tensor.shape, tensor.dtype)
+                found[key] = [(shard, stored(tensor, mapped))]
+        return TorchBinSource(path, files, found)
+    except BaseException:
+        files.close()
+        raise
+
+
+def _flat(state: dict, prefix: str = "") -> list[tuple[str, SavedTensor]]:
+    found: list[tuple[str, SavedTensor]] = []
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, SavedTensor):
+            found.append((name, value))
+        elif isinstance(value, dict):
+            found += _flat(value, f"{name}.")
+    return found
+
+
+def _index_files(index: Path) -> list[Path]:
+    try:
+        content: Any = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise StorageError(f"{index}: cannot read the index: {error}") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()):
+        raise StorageError(f"{index}: index has no weight_map object of key -> file name")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if Path(name).name != name:
+            raise StorageError(f"{index}: file name '{name}' is not a name inside the folder")
+        if not (index.parent / name).is_file():
+            raise StorageError(f"{index}: names shard file '{name}', which does not exist")
+    return [index.parent / name for name in names]
+
+
+FORMAT = Format("bin", "pytorch_model.bin (torch.save state dicts), read only", claims,
+                open_bin, None)
