@@ -13,7 +13,9 @@ from typing import NamedTuple
 from aoa.source import Span
 
 #: Attribute keys that name a macro rather than a tensor (written bare: `a -> b, fused_ffn`).
-FLAG_ATTRIBUTES = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv"})
+FLAG_ATTRIBUTES = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv", "fused_in_proj"})
+#: Attributes whose value is a key written bare (PaddleFormers' `tp_probe_key=model.x.w`).
+NAME_ATTRIBUTES = frozenset({"tp_probe_key"})
 
 #: Paddle's GLOBAL_ATTRIBUTE_KEYWORDS: names that cannot be tensors.
 ATTRIBUTE_KEYWORDS = frozenset({
