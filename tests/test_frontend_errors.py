@@ -283,3 +283,16 @@ def test_a_layout_of_too_many_ranks(tmp_path):
         read_layout(layout)
     assert caught.value.message == (f"{layout}: the layout is not UTF-8 text: byte 16 "
                                     "(line 2) is b'\\xff'")
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b'{"model_type": "llama"} \xff', "the config is not UTF-8 text: byte 24 (line 1) is "
+                                      "b'\\xff'"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON: nested too deeply"),
+    (b"[1, 2]", "expected a JSON object"),
+])
+def test_a_model_config_that_is_not_a_json_object(tmp_path, capsys, content, message):
+    config = tmp_path / "config.json"
+    config.write_bytes(content)
+    code, err = cli(capsys, "mapping", "--config", config, "--to", "paddleformers")
+    assert (code, err.strip()) == (2, f"aoa: error: {config}: {message}")
