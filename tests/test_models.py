@@ -368,3 +368,24 @@ def test_the_output_format_is_one_argument(hf, tmp_path, capsys):
     with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
         for key, value in tensors.items():
             assert f.array(key).tobytes() == value.tobytes(), key
+
+
+def test_pipeline_stages_hold_their_layers_and_come_back(tmp_path, capsys):
+    config = {**LLAMA, "num_hidden_layers": 4}
+    tensors = hf_folder(tmp_path / "hf", config)
+    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--pp", "2"],
+               ["--to", "hf"])
+    held = []
+    for rank in range(4):
+        with SafetensorsFile.open(tmp_path / "out0" / f"rank-{rank:05d}-of-00004.safetensors"
+                                  ) as f:
+            held.append(set(f.tensors))
+    assert all("model.embed_tokens.weight" in held[r] for r in (0, 1))
+    assert not any("model.embed_tokens.weight" in held[r] for r in (2, 3))
+    assert all("lm_head.weight" in held[r] and "model.norm.weight" in held[r] for r in (2, 3))
+    assert all("model.layers.1.mlp.down_proj.weight" in held[r] for r in (0, 1))
+    assert all("model.layers.2.mlp.down_proj.weight" in held[r] for r in (2, 3))
+    assert not any("model.layers.2.mlp.down_proj.weight" in held[r] for r in (0, 1))
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
