@@ -236,12 +236,13 @@ def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
     if record.get("mapping_origin", "aoa.models") != "aoa.models":
         raise ModelError("this folder was written with an edited mapping; convert it --to hf "
                          "and then forward again with --mapping")
-    mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"))
+    mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"),
+                    source_dtypes=record["source_dtypes"])
     text = mapping.reshard(_stored_dtypes(mapping, info))
     conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
                          layout=mapping.layout, output_format=output_format)
-    out = _record(mapping, record["mapping"], record.get("mapping_origin", "aoa.models"),
-                  record["source_dtypes"])
+    # The record names the mapping from Hugging Face to what the folder now holds.
+    out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"])
     out["absent_groups"] = record.get("absent_groups", [])
     out["resharded_with"] = text
     return Job("reshard", mapping, text, "aoa.models reshard", mapping.layout, conversion,
