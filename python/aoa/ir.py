@@ -14,6 +14,9 @@ from aoa.source import Span
 
 #: Attribute keys that name a macro rather than a tensor (written bare: `a -> b, fused_ffn`).
 FLAG_ATTRIBUTES = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv"})
+#: The fused macros that lay their fused tensor out shard by shard (`fused_qkv`'s grouped
+#: layout is the same for any shard count).
+PER_SHARD_FLAGS = frozenset({"fused_ffn", "fused_qkv_old"})
 
 #: Paddle's GLOBAL_ATTRIBUTE_KEYWORDS: names that cannot be tensors.
 ATTRIBUTE_KEYWORDS = frozenset({

@@ -25,9 +25,6 @@ from aoa.source import Span
 
 NAME = "expand_fused"
 TRANSPOSE_SUFFIX = "_transpose_tmp"
-FUSED_MACROS = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv"})
-#: The macros that lay pieces out per shard: the pieces they join must be of one size.
-PER_SHARD_MACROS = frozenset({"fused_ffn", "fused_qkv_old"})
 
 _ALLOWED = {
     "fused_ffn": {"fused_ffn", "axis"},
