@@ -2,6 +2,8 @@
 
     /work/paddle-venv/bin/python bench/paddle_checkpoints.py save [--output tests/fixtures/paddle]
     /work/paddle-venv/bin/python bench/paddle_checkpoints.py load CKPT SPEC.json OUT.npz
+    /work/paddle-venv/bin/python bench/paddle_checkpoints.py from-safetensors FILE CKPT
+    /work/paddle-venv/bin/python bench/paddle_checkpoints.py time-load CKPT SPEC.json
 
 ``save`` writes the small checkpoints the tests read, each by ``paddle.distributed.
 save_state_dict`` itself (several ranks through ``paddle.distributed.launch`` on the CPU),
@@ -18,6 +20,11 @@ and beside each an ``expected.npz`` of its global tensors (bfloat16 as uint16 bi
 ``load`` reads a checkpoint with ``paddle.distributed.load_state_dict`` into whole tensors of
 the shapes and dtypes ``SPEC.json`` gives (``{key: [shape, dtype]}``) and writes them to
 ``OUT.npz``: how the tests check what aoa wrote.
+
+``from-safetensors`` saves the tensors of a safetensors file as a one-rank Paddle checkpoint
+(bench/formats.py's source), and ``time-load`` prints how many seconds ``load_state_dict``
+takes to read a checkpoint into preallocated CPU tensors (the median of three, after one
+untimed read).
 
 Values come from one seeded stream per tensor, so a rerun writes the same tensor bytes
 (the pickles differ only in Paddle's generated tensor names).
@@ -147,6 +154,30 @@ def load(checkpoint: Path, spec: Path, out: Path, unique_id: int | None) -> None
     np.savez(out, **{key: np.array(tensor) for key, tensor in state.items()})
 
 
+def from_safetensors(file: Path, checkpoint: Path) -> None:
+    import paddle
+    import paddle.distributed as dist
+    from safetensors.numpy import load_file
+    dist.save_state_dict({key: paddle.to_tensor(array) for key, array in
+                          load_file(str(file)).items()}, str(checkpoint))
+
+
+def time_load(checkpoint: Path, spec: Path) -> None:
+    import statistics
+    import time
+
+    import paddle
+    import paddle.distributed as dist
+    shapes = json.loads(spec.read_text())
+    state = {key: paddle.zeros(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        dist.load_state_dict(state, str(checkpoint))
+        times.append(time.perf_counter() - start)
+    print(statistics.median(times[1:]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -161,11 +192,21 @@ def main() -> None:
     loading.add_argument("spec", type=Path)
     loading.add_argument("out", type=Path)
     loading.add_argument("--unique-id", type=int)
+    converting = commands.add_parser("from-safetensors")
+    converting.add_argument("file", type=Path)
+    converting.add_argument("checkpoint", type=Path)
+    timing = commands.add_parser("time-load")
+    timing.add_argument("checkpoint", type=Path)
+    timing.add_argument("spec", type=Path)
     args = parser.parse_args()
     if args.command == "save":
         save(args.output)
     elif args.command == "rank":
         save_rank(args.name, args.folder)
+    elif args.command == "from-safetensors":
+        from_safetensors(args.file, args.checkpoint)
+    elif args.command == "time-load":
+        time_load(args.checkpoint, args.spec)
     else:
         load(args.checkpoint, args.spec, args.out, args.unique_id)
 

@@ -110,6 +110,14 @@ def cmd_check(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    if args.to is not None:
+        return cmd_convert_model(args)
+    if args.mapping is None:
+        raise UsageError("convert needs a mapping (MAPPING.aoa) or a target (--to "
+                         "paddleformers, --to hf)")
+    for option in ("tp", "ep", "pp", "dtype", "mapping_file"):
+        if getattr(args, option) is not None:
+            raise UsageError(f"--{option.replace('_file', '')} goes with --to")
     from aoa.jobs.convert import execute, prepare
     from aoa.jobs.distributed import rank_share
     from aoa.mesh_layout import read_mesh_layout
@@ -149,6 +157,82 @@ def cmd_convert(args) -> int:
     return EXIT_OK
 
 
+def _mesh(args):
+    from aoa.models import Mesh
+
+    given = {name: getattr(args, name) for name in ("tp", "ep", "pp")}
+    if all(value is None for value in given.values()):
+        return None
+    return Mesh(**{name: value or 1 for name, value in given.items()})
+
+
+def cmd_convert_model(args) -> int:
+    """`aoa convert --to TARGET`: the mapping and layout come from the model library."""
+    from aoa.models import convert as model_convert
+
+    if args.mapping is not None:
+        raise UsageError("with --to the mapping comes from config.json; pass an edited one "
+                         "with --mapping FILE")
+    for option in ("layout", "destination", "rank", "world_size"):
+        if getattr(args, option) not in (None, False):
+            raise UsageError(f"--{option.replace('_', '-')} does not go with --to")
+    if args.reverse:
+        raise UsageError("--reverse does not go with --to (use --to hf to go back)")
+    from aoa.runtime.progress import progress_bar
+    from aoa.storage.formats import open_source
+
+    for option in ("source_format", "max_file_size"):
+        if getattr(args, option) is not None:
+            raise UsageError(f"--{option.replace('_', '-')} does not go with --to")
+    if not args.dry_run:
+        model_convert.check_output(Path(args.output))
+    with open_source(args.source) as checkpoint:
+        job = model_convert.plan_job(args.source, checkpoint, target=args.to,
+                                     mesh=_mesh(args), dtype=args.dtype,
+                                     mapping_file=args.mapping_file,
+                                     output_format=args.output_format)
+        if args.dry_run:
+            print(job.text)
+            print(job.conversion.describe())
+            return EXIT_OK
+        with progress_bar(job.conversion.nbytes, "writing", show=not args.quiet) as advance:
+            model_convert.write_job(job, args.source, args.output, threads=args.threads,
+                                    progress=advance)
+    for note in job.notes + job.conversion.notes:
+        print(note, file=sys.stderr)
+    conversion = job.conversion
+    rate = conversion.nbytes / conversion.seconds / 1e9 if conversion.seconds else 0.0
+    mesh = job.record["mesh"]
+    where = "Hugging Face" if args.to == "hf" else (
+        f"{args.to}, tp {mesh['tp']} ep {mesh['ep']} pp {mesh['pp']}")
+    print(f"{job.mapping.family} ({job.mapping.model_type}) -> {where}: wrote "
+          f"{len(conversion.files)} files ({conversion.nbytes / 1e9:.3f} GB) to {args.output} "
+          f"in {conversion.seconds:.2f} s, {rate:.2f} GB/s")
+    return EXIT_OK
+
+
+def cmd_mapping(args) -> int:
+    """`aoa mapping --config config.json --to TARGET`: the mapping and layout to read or edit."""
+    from aoa.mesh_layout import layout_text
+    from aoa.models import Config, mapping_for
+
+    try:
+        data = json.loads(Path(args.config).read_text())
+    except OSError as error:
+        raise UsageError(f"cannot read {args.config}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{args.config}:{error.lineno}:{error.colno}: not valid JSON: "
+                         f"{error.msg}") from None
+    mapping = mapping_for(Config(data, args.config), args.to, _mesh(args), dtype=args.dtype)
+    print(mapping.inverse() if args.inverse else mapping.forward, end="")
+    if not args.inverse:
+        print()
+        print("# layout (TOML, as `aoa convert --layout` reads it)")
+        print("\n".join(f"# {line}" if line else "#"
+                        for line in layout_text(mapping.layout).splitlines()))
+    return EXIT_OK
+
+
 def cmd_demo(args) -> int:
     from aoa import demo
 
@@ -168,6 +252,16 @@ def _add_program_arguments(parser: argparse.ArgumentParser) -> None:
                                               "the outputs are derived, as in a full export")
     parser.add_argument("--reverse", action="store_true",
                         help="run the program backwards (Paddle's aoa_config_reverse)")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument("--to", required=required,
+                        help="target layout: paddleformers, or hf (back to Hugging Face, "
+                             "from the folder's record); the family comes from config.json")
+    for name, what in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline")):
+        parser.add_argument(f"--{name}", type=int, help=f"{what}-parallel degree (default 1)")
+    parser.add_argument("--dtype", help="store the weights in this dtype (float32, bfloat16, "
+                                        "float16; what the target keeps in float32 stays)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,10 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_program_arguments(check)
     check.set_defaults(run=cmd_check)
     convert = commands.add_parser("convert", help="convert a checkpoint through a mapping")
-    convert.add_argument("mapping", help="AOA statements (.aoa, or JSON)")
+    convert.add_argument("mapping", nargs="?",
+                         help="AOA statements (.aoa, or JSON); or name a target with --to")
     convert.add_argument("--source", required=True,
-                         help="source checkpoint: a file or folder (Hugging Face safetensors, "
-                              "or sharded with DCP_SHARDING_INFO)")
+                         help="source checkpoint: a folder or file (safetensors, Paddle, "
+                              "PyTorch DCP, Megatron torch_dist, pytorch_model.bin; of several "
+                              "Paddle saves in one folder, give the chosen {n}.metadata)")
     convert.add_argument("--source-format", metavar="FORMAT",
                          help="the source's format (default: detected from its contents): "
                               + ", ".join(FORMAT_NAMES))
@@ -220,7 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "its share of the files, rank 0 the index once all are done (under "
                          "torchrun both come from its environment)")
     convert.add_argument("--world-size", type=int, help="how many processes share the work")
+    _add_model_arguments(convert)
+    convert.add_argument("--mapping", dest="mapping_file",
+                         help="with --to: an edited mapping (from `aoa mapping`) instead of "
+                              "the one made from config.json")
     convert.set_defaults(run=cmd_convert)
+    mapping = commands.add_parser("mapping", help="print the mapping and layout the model "
+                                                  "library makes from a config.json")
+    mapping.add_argument("--config", required=True, help="a Hugging Face config.json")
+    _add_model_arguments(mapping, required=True)
+    mapping.add_argument("--inverse", action="store_true",
+                         help="print the way back (target -> Hugging Face) instead")
+    mapping.set_defaults(run=cmd_mapping)
     demo = commands.add_parser("demo", help="convert a small built-in Llama-like checkpoint "
                                             "and verify it against numpy")
     demo.add_argument("--threads", type=int)

@@ -1,13 +1,20 @@
-"""`aoa demo`: the main job on a small Llama-like checkpoint made here, checked against numpy.
+"""`aoa demo`: the main job on a small Llama checkpoint made here, checked against numpy.
 
-It writes a Hugging Face checkpoint (bfloat16, separate q/k/v and gate/up) to a temporary
-folder, converts it with the bundled mapping (fused QKV with grouped-query heads, fused
-gate/up, transposes, one float32 cast) into tensor-parallel 2 shards, and verifies every
-output shard against the same layout computed directly with numpy.
+It writes a Hugging Face Llama folder (config.json and bfloat16 weights) to a temporary
+folder, converts it by naming its target (`--to paddleformers --tp 2`: the model library
+makes the mapping and the layout from config.json), verifies every output shard against the
+same layout computed directly with numpy, and converts back (`--to hf`) to the original
+bytes.
+
+The same checkpoint with the bundled hand-written mapping (`data/llama_fused_tp2.aoa`: fused
+QKV with grouped-query heads, fused gate/up, a float32 cast) and its layout
+(`data/llama_tp2.toml`) is what the tests and benchmarks of the language use;
+`expected_shards` is that mapping's result computed with numpy.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from importlib import resources
@@ -16,11 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from aoa.jobs.convert import execute, prepare
 from aoa.layout import ShardDesc
-from aoa.mapping import read_mapping
-from aoa.mesh_layout import read_mesh_layout
-from aoa.storage.formats import open_source
 from aoa.storage.safetensors import SafetensorsFile, write_safetensors
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB, TP = 2, 256, 4, 2, 512, 1024, 2
@@ -31,8 +34,14 @@ def data_file(name: str) -> Path:
     return Path(str(resources.files("aoa").joinpath("data", name)))
 
 
+CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB,
+          "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
+          "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+          "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+
+
 def make_checkpoint(folder: Path, seed: int = 0) -> dict[str, np.ndarray]:
-    """A Llama-like HF checkpoint in bfloat16; returns its tensors."""
+    """A Llama HF checkpoint in bfloat16 (weights only); returns its tensors."""
     rng = np.random.default_rng(seed)
     shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
               "lm_head.weight": (VOCAB, HIDDEN)}
@@ -93,25 +102,57 @@ def expected_shards(hf: dict[str, np.ndarray], rank: int) -> dict[str, np.ndarra
     return out
 
 
+def expected_paddleformers_shards(hf: dict[str, np.ndarray], rank: int
+                                  ) -> dict[str, np.ndarray]:
+    """What rank ``rank`` of PaddleFormers' Llama at TP 2 holds, computed with numpy:
+    linear weights transposed to [in, out], column-parallel ones (q, k, v, gate, up) split
+    on axis 1, row-parallel ones (o, down) and the vocabulary on axis 0, norms whole."""
+    def part(x, axis):
+        size = x.shape[axis] // TP
+        return np.take(x, range(rank * size, (rank + 1) * size), axis=axis)
+
+    out = {"model.embed_tokens.weight": part(hf["model.embed_tokens.weight"], 0),
+           "lm_head.weight": part(hf["lm_head.weight"], 0),
+           "model.norm.weight": hf["model.norm.weight"]}
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}."
+        for name, axis in (("self_attn.q_proj", 1), ("self_attn.k_proj", 1),
+                           ("self_attn.v_proj", 1), ("self_attn.o_proj", 0),
+                           ("mlp.gate_proj", 1), ("mlp.up_proj", 1), ("mlp.down_proj", 0)):
+            out[f"{p}{name}.weight"] = part(hf[f"{p}{name}.weight"].T, axis)
+        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[p + norm] = hf[p + norm]
+    return out
+
+
 def run(threads: int | None = None, keep: str | None = None) -> int:
-    """Build, convert, verify, report. Returns the number of mismatching tensors (0 = ok)."""
+    """Build, convert, verify, convert back, verify. Returns the number of mismatching
+    tensors (0 = ok)."""
+    from aoa.models import Mesh
+    from aoa.models import convert as model_convert
+
     with tempfile.TemporaryDirectory(prefix="aoa-demo-") as tmp:
         work = Path(keep) if keep else Path(tmp)
-        source_dir, output_dir = work / "hf", work / "tp2"
+        source_dir, output_dir, back_dir = work / "hf", work / "paddleformers-tp2", work / "back"
         source_dir.mkdir(parents=True, exist_ok=True)
         hf = make_checkpoint(source_dir)
-        mapping = data_file("llama_fused_tp2.aoa")
-        print(f"source: {source_dir} ({len(hf)} bfloat16 tensors, Hugging Face names)")
-        print(f"mapping: {mapping.name}, layout: {data_file('llama_tp2.toml').name}")
-        with open_source(source_dir) as checkpoint:
-            start = time.perf_counter()
-            conversion = prepare(read_mapping(mapping), checkpoint,
-                                 layout=read_mesh_layout(data_file("llama_tp2.toml")))
-            compiled = time.perf_counter() - start
-            execute(conversion, output_dir, threads=threads)
+        (source_dir / "config.json").write_text(json.dumps(CONFIG, indent=1))
+        print(f"source: {source_dir} (Llama, {len(hf)} bfloat16 tensors, Hugging Face names)")
+        print(f"aoa convert --source {source_dir} --output {output_dir} --to paddleformers "
+              f"--tp {TP}")
+        start = time.perf_counter()
+        job = model_convert.run(source_dir, output_dir, target="paddleformers",
+                                mesh=Mesh(tp=TP), threads=threads)
+        total = time.perf_counter() - start
+        conversion = job.conversion
+        statements = [line for line in job.text.splitlines() if not line.startswith("#")]
+        print(f"mapping ({len(statements)} statements made from config.json by aoa.models):")
+        for line in [line for line in statements if "^T" in line][:2]:
+            print(f"  {line}")
+        print("  ...")
         mismatches = 0
         for rank, file in enumerate(conversion.files):
-            expected = expected_shards(hf, rank)
+            expected = expected_paddleformers_shards(hf, rank)
             with SafetensorsFile.open(output_dir / file.filename) as written:
                 assert set(written.tensors) == set(expected), "tensor names differ"
                 for name, want in expected.items():
@@ -122,9 +163,18 @@ def run(threads: int | None = None, keep: str | None = None) -> int:
                         print(f"  MISMATCH rank {rank}: {name}")
         seconds = conversion.seconds
         print(f"wrote {len(conversion.files)} files to {output_dir}: "
-              f"{len(conversion.plan.destinations)} shards, {conversion.nbytes / 1e6:.1f} MB")
-        print(f"compile {compiled * 1e3:.1f} ms, write {seconds * 1e3:.1f} ms "
+              f"{len(conversion.plan.destinations)} shards, {conversion.nbytes / 1e6:.1f} MB, "
+              f"and {model_convert.RECORD} (family, target, mesh, the mapping)")
+        print(f"all in {total * 1e3:.0f} ms, of which writing {seconds * 1e3:.1f} ms "
               f"({conversion.nbytes / seconds / 1e9:.2f} GB/s)")
         print("verified every shard against numpy: "
               + ("all bytes identical" if not mismatches else f"{mismatches} MISMATCHES"))
+        print(f"aoa convert --source {output_dir} --output {back_dir} --to hf")
+        model_convert.run(output_dir, back_dir, target="hf", threads=threads)
+        with SafetensorsFile.open(back_dir / "model.safetensors") as written:
+            differ = sorted(k for k, v in hf.items() if written.array(k).tobytes()
+                            != v.tobytes()) + sorted(set(written.tensors) - set(hf))
+        mismatches += len(differ)
+        print("back to Hugging Face: " + ("every tensor byte-identical to the original"
+                                          if not differ else f"DIFFERS: {', '.join(differ)}"))
         return mismatches

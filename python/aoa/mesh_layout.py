@@ -11,6 +11,19 @@ splits; a dimension a rule does not name replicates the tensor:
     match = "layers.*.self_attn.qkv_proj.weight"   # shell-style pattern over destination keys
     tp = 1                                          # tp splits axis 1
 
+A mesh dimension can also place whole tensors instead of splitting them (expert and
+pipeline parallelism): the tensor lives only on the ranks of one position along it.
+
+    [[rule]]
+    match = "layers.*.mlp.experts.*"
+    ep = { number_after = "experts.", of = 8 }      # expert e of 8 on ep position e * ep // 8
+    pp = { number_after = "layers.", of = 24 }      # layer l on its pipeline stage
+    # pp = "first" / "last": the first or the last position (embeddings, the head)
+
+Layers go to stages as Paddle's pipeline segments them (`SegmentLayers.uniform`: equal parts,
+the later stages one more when they do not divide); a number at or past `of` (a
+multi-token-prediction layer after the last decoder layer) goes to the last position.
+
 The first rule that matches a key decides; a key no rule matches is replicated on every rank.
 Optimizer states (`.moment1_0`, ...) follow their parameter's rule; beta pows are replicated.
 """
@@ -21,7 +34,7 @@ import fnmatch
 import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
@@ -33,9 +46,48 @@ from aoa.limits import MAX_RANKS
 
 
 @dataclass(frozen=True)
+class Placement:
+    """A mesh dimension that places a whole tensor on one of its positions."""
+
+    number_after: str | None = None  # the position comes from the number after this text
+    of: int = 0  # ... out of this many (layers, experts)
+    where: str | None = None  # or "first" / "last"
+
+    def position(self, key: str, size: int) -> int:
+        if self.where is not None:
+            return 0 if self.where == "first" else size - 1
+        assert self.number_after is not None
+        start = key.find(self.number_after)
+        digits = ""
+        if start >= 0:
+            rest = key[start + len(self.number_after):]
+            digits = rest[:len(rest) - len(rest.lstrip("0123456789"))]
+        if not digits:
+            raise UsageError(f"'{key}' has no number after '{self.number_after}' to place it by")
+        number = int(digits)
+        if number >= self.of:
+            return size - 1
+        # Paddle's SegmentLayers.uniform: the boundary after part i moves one further for the
+        # parts after (size - extra).
+        part, extra = divmod(self.of, size)
+        end = 0
+        for index in range(1, size):
+            end += part + (1 if index > size - extra else 0)
+            if number < end:
+                return index - 1
+        return size - 1
+
+    def to_toml(self) -> str:
+        if self.where is not None:
+            return f'"{self.where}"'
+        return f'{{ number_after = "{self.number_after}", of = {self.of} }}'
+
+
+@dataclass(frozen=True)
 class Rule:
     match: str
     axes: dict[str, int]  # mesh dimension -> tensor axis it splits
+    places: dict[str, Placement] = field(default_factory=dict)  # mesh dimension -> placement
 
 
 @dataclass(frozen=True)
@@ -90,6 +142,8 @@ class MeshLayout:
             model_key, suffix = split_optimizer_suffix(key)
             rule = None if suffix in BETA_POW_SUFFIXES else self.rule_for(model_key)
             axes = rule.axes if rule else {}
+            owners = {name: place.position(model_key, self.mesh[name])
+                      for name, place in (rule.places if rule else {}).items()}
             for axis in axes.values():
                 if axis >= len(shape):
                     raise UsageError(f"{self.source}: rule '{rule.match if rule else ''}' splits "
@@ -103,6 +157,8 @@ class MeshLayout:
                                      f"which does not split into {parts} equal shards")
             shards = by_key.setdefault(key, [])
             for rank, position in enumerate(self.coordinates()):
+                if any(position[name] != owner for name, owner in owners.items()):
+                    continue
                 local, offset = list(shape), [0] * len(shape)
                 # Dimensions that split the same axis nest in mesh order (the first is outer).
                 for axis, parts in per_axis.items():
@@ -142,17 +198,49 @@ def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
     for i, rule in enumerate(data.get("rule", [])):
         if not isinstance(rule, Mapping) or not isinstance(rule.get("match"), str):
             raise UsageError(f"{source}: rule {i + 1} needs match = \"key pattern\"")
-        axes = {k: v for k, v in rule.items() if k != "match"}
-        for name, axis in axes.items():
+        axes, places = {}, {}
+        for name, value in rule.items():
+            if name == "match":
+                continue
+            where = f"{source}: rule {i + 1} ('{rule['match']}')"
             if name not in mesh:
-                raise UsageError(f"{source}: rule {i + 1} ('{rule['match']}') names '{name}', "
-                                 f"which is not a mesh dimension ({', '.join(mesh)})")
-            if not isinstance(axis, int) or axis < 0:
-                raise UsageError(f"{source}: rule {i + 1} ('{rule['match']}'): {name} must "
-                                 "be the axis it splits, a number from 0")
-        rules.append(Rule(rule["match"], axes))
+                raise UsageError(f"{where} names '{name}', which is not a mesh dimension "
+                                 f"({', '.join(mesh)})")
+            if isinstance(value, (str, Mapping)):
+                places[name] = _placement(value, f"{where}: {name}")
+            elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                axes[name] = value
+            else:
+                raise UsageError(f"{where}: {name} must be the axis it splits (a number from "
+                                 "0) or a placement (\"first\", \"last\" or "
+                                 "{ number_after = \"...\", of = N })")
+        rules.append(Rule(rule["match"], axes, places))
     extra = set(data) - {"mesh", "rule"}
     if extra:
         raise UsageError(f"{source}: unknown table(s) {', '.join(sorted(extra))}; a layout "
                          "has [mesh] and [[rule]]")
     return MeshLayout(dict(mesh), tuple(rules), source)
+
+
+def _placement(value: str | Mapping, where: str) -> Placement:
+    if isinstance(value, str):
+        if value not in ("first", "last"):
+            raise UsageError(f"{where} = \"{value}\": a placement by name is \"first\" or "
+                             "\"last\"")
+        return Placement(where=value)
+    after, of = value.get("number_after"), value.get("of")
+    if set(value) != {"number_after", "of"} or not isinstance(after, str) or not after \
+            or not isinstance(of, int) or isinstance(of, bool) or of < 1:
+        raise UsageError(f"{where}: a placement by number is {{ number_after = \"text\", "
+                         "of = N }} with N a positive count")
+    return Placement(number_after=after, of=of)
+
+
+def layout_text(layout: MeshLayout) -> str:
+    """The layout as the TOML `read_layout` reads back."""
+    lines = ["[mesh]"] + [f"{name} = {size}" for name, size in layout.mesh.items()]
+    for rule in layout.rules:
+        lines += ["", "[[rule]]", f'match = "{rule.match}"']
+        lines += [f"{name} = {axis}" for name, axis in rule.axes.items()]
+        lines += [f"{name} = {place.to_toml()}" for name, place in rule.places.items()]
+    return "\n".join(lines) + "\n"

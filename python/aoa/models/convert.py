@@ -1,0 +1,367 @@
+"""Convert a model folder by naming its target: the family from config.json, the mapping and
+the layout from the model library, the conversion from `aoa.jobs.convert`.
+
+Three directions, told apart by the source folder and ``--to``:
+
+* a Hugging Face folder `--to paddleformers`: forward, at the degrees asked for;
+* a folder this job wrote `--to hf`: back to Hugging Face, from its record alone;
+* a folder this job wrote `--to` its own target: laid out again at other degrees (fused
+  layouts that depend on the degree are re-interleaved, never copied as they lie).
+
+Before a byte moves, the source must hold exactly the tensors its family has for this config
+(a missing key, an unknown key or a shape the config does not give is an error), and the
+output folder must be new or empty. The output holds the checkpoint, the config, tokenizer
+and generation files, and ``aoa-conversion.json``: family, target, mesh, dtype, the exact
+mapping text and aoa's version.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from aoa.errors import StorageError, UsageError
+from aoa.jobs.convert import Conversion, execute, prepare
+from aoa.jobs.job import derived_outputs
+from aoa.layout import ShardDesc
+from aoa.mapping import MappingText
+from aoa.mesh_layout import MeshLayout, layout_text
+from aoa.models import TARGETS, family_of
+from aoa.models.base import Config, Expected, Mesh, ModelError, template_pattern
+from aoa.models.mapping import ModelMapping, build, template_dtypes
+from aoa.storage.formats import Source, open_source
+
+RECORD = "aoa-conversion.json"
+HF = "hf"
+#: Files beside the weights that a model folder needs, copied as they are.
+_SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+               "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
+_SIDE_PATTERNS = ("tokenizer*", "*.tiktoken", "*.model")
+
+
+@dataclass
+class Job:
+    """What a model conversion will do: the text it runs, where and how."""
+
+    direction: str  # "forward", "inverse" or "reshard"
+    mapping: ModelMapping
+    text: str
+    text_origin: str
+    layout: MeshLayout | None
+    conversion: Conversion
+    record: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+
+def aoa_version() -> str:
+    try:
+        return metadata.version("aoa-checkpoint")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def read_config(folder: Path) -> Config:
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{folder}: no config.json; the model family comes from it",
+                         hint="Convert a Hugging Face model folder, or write the mapping by "
+                              "hand and use `aoa convert MAPPING.aoa`.") from None
+    except json.JSONDecodeError as error:
+        raise ModelError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: "
+                         f"{error.msg}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+    return Config(data, str(path))
+
+
+def read_record(folder: Path) -> dict[str, Any] | None:
+    path = folder / RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: "
+                         f"{error.msg}") from None
+    for name in ("family", "target", "mesh", "mapping", "source_dtypes"):
+        if name not in record:
+            raise ModelError(f"{path}: the record lacks '{name}'")
+    return record
+
+
+def check_output(output: Path) -> None:
+    """Nothing is written into a folder that holds anything."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        what = "folder is not empty" if output.is_dir() else "is a file"
+        raise StorageError(f"{output}: the output {what}",
+                           hint="Convert into a new or empty folder.")
+
+
+def plan_job(source: str | Path, checkpoint: Source, *, target: str,
+             mesh: Mesh | None = None, dtype: str | None = None,
+             mapping_file: str | Path | None = None, output_format: str | None = None
+             ) -> Job:
+    """Decide the direction, check the source against its family, make the text and the
+    layout, and prepare the conversion (nothing is written)."""
+    source = Path(source)
+    if target not in (*TARGETS, HF):
+        raise UsageError(f"--to {target}: choose one of {', '.join((*TARGETS, HF))}")
+    record = read_record(source)
+    cfg = read_config(source)
+    family = family_of(cfg)
+    if record is None:
+        if target == HF:
+            raise UsageError(f"{source}: not a folder aoa converted (no {RECORD}); it is "
+                             "already in Hugging Face layout")
+        return _forward(cfg, family, checkpoint, target, mesh or Mesh(), dtype, mapping_file,
+                        output_format)
+    if record["family"] != family.name:
+        raise ModelError(f"{source / RECORD}: records family '{record['family']}', but "
+                         f"config.json is of family '{family.name}'")
+    if target == HF:
+        if mesh is not None or dtype is not None or mapping_file is not None:
+            raise UsageError("--to hf takes everything from the record; give no --tp, --ep, "
+                             "--pp, --dtype or --mapping")
+        return _inverse(cfg, family, checkpoint, record, output_format)
+    if target != record["target"]:
+        raise UsageError(f"{source} holds the {record['target']} layout; convert it --to hf "
+                         f"first, then --to {target}")
+    return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype, output_format)
+
+
+def run(source: str | Path, output: str | Path, *, target: str, mesh: Mesh | None = None,
+        dtype: str | None = None, mapping_file: str | Path | None = None,
+        output_format: str | None = None, threads: int | None = None,
+        progress: Callable[[int], None] | None = None, dry_run: bool = False) -> Job:
+    """Plan the job, then (unless a dry run) write the checkpoint, side files and record.
+    ``output_format``: the files' format (default: sharded safetensors for a target, Hugging
+    Face safetensors for `hf`)."""
+    output = Path(output)
+    if not dry_run:
+        check_output(output)
+    with open_source(source) as checkpoint:
+        job = plan_job(source, checkpoint, target=target, mesh=mesh, dtype=dtype,
+                       mapping_file=mapping_file, output_format=output_format)
+        if not dry_run:
+            write_job(job, source, output, threads=threads, progress=progress)
+    return job
+
+
+def write_job(job: Job, source: str | Path, output: str | Path, *,
+              threads: int | None = None, progress: Callable[[int], None] | None = None
+              ) -> None:
+    """Write the checkpoint, then the side files and the record (last: a folder with a
+    record holds everything it names)."""
+    output = Path(output)
+    check_output(output)
+    execute(job.conversion, output, threads=threads, progress=progress)
+    copy_side_files(Path(source), output)
+    if job.direction != "inverse":  # a Hugging Face folder stays a plain one
+        job.record["format"] = job.conversion.format.name
+        (output / RECORD).write_text(json.dumps(job.record, indent=1) + "\n")
+
+
+def copy_side_files(source: Path, output: Path) -> None:
+    names = {source / name for name in _SIDE_FILES}
+    for pattern in _SIDE_PATTERNS:
+        names.update(source.glob(pattern))
+    for path in sorted(names):
+        if path.is_file():
+            shutil.copyfile(path, output / path.name)
+
+
+# --- the three directions ------------------------------------------------------------------
+
+
+def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
+             dtype: str | None, mapping_file: str | Path | None, output_format: str | None
+             ) -> Job:
+    info = checkpoint.shards
+    absent = check_tensors(info, family.tensors(cfg.with_checkpoint(frozenset(info))), cfg,
+                           family.name)
+    notes = [f"{cfg.path}: '{group}' is {cfg.data.get(group)}, but the checkpoint holds none "
+             "of those layers; converted without them" for group in sorted(absent)]
+    cfg = cfg.with_checkpoint(frozenset(info), sorted(absent))
+    key_dtypes = {key: shards[0].dtype or "float32" for key, shards in info.items()}
+    probe = build(family, cfg, target, mesh, dtype=dtype)
+    reads = sorted({read for step in probe.steps for read in step.reads})
+    source_dtypes = template_dtypes(reads, key_dtypes)
+    mapping = build(family, cfg, target, mesh, dtype=dtype, source_dtypes=source_dtypes)
+    text, origin = mapping.forward, "aoa.models"
+    if mapping_file is not None:
+        text, origin = _read_text(mapping_file), str(mapping_file)
+    conversion = prepare(MappingText(text, False, origin if mapping_file else
+                                     "<aoa.models mapping>"),
+                         checkpoint, layout=mapping.layout, output_format=output_format)
+    record = _record(mapping, text, origin, source_dtypes)
+    record["absent_groups"] = sorted(absent)
+    return Job("forward", mapping, text, origin, mapping.layout, conversion, record, notes)
+
+
+def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
+             output_format: str | None) -> Job:
+    info = checkpoint.shards
+    cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
+    mapping = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"))
+    _check_target(info, mapping, record, cfg)
+    stored = _stored_dtypes(mapping, info)
+    if record.get("mapping_origin", "aoa.models") == "aoa.models":
+        text, reverse = mapping.inverse(record["source_dtypes"], stored), False
+    else:
+        text, reverse = record["mapping"], True  # an edited mapping, run backwards
+    conversion = prepare(MappingText(text, reverse, "<aoa.models inverse>"), checkpoint,
+                         output_format=output_format)
+    _check_outputs(conversion, mapping.source_tensors, set(record.get("absent_groups", [])))
+    out = dict(record, direction="inverse", target=HF, aoa_version=aoa_version(),
+               mapping=text, mapping_origin="aoa.models inverse" if not reverse else
+               f"{record.get('mapping_origin')} (reversed)", layout=None)
+    out["mesh"] = Mesh().to_json()
+    return Job("inverse", mapping, text, out["mapping_origin"], None, conversion, out)
+
+
+def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
+             dtype: str | None, output_format: str | None) -> Job:
+    info = checkpoint.shards
+    cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
+    before = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"))
+    _check_target(info, before, record, cfg)
+    if record.get("mapping_origin", "aoa.models") != "aoa.models":
+        raise ModelError("this folder was written with an edited mapping; convert it --to hf "
+                         "and then forward again with --mapping")
+    mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"))
+    text = mapping.reshard(_stored_dtypes(mapping, info))
+    conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
+                         layout=mapping.layout, output_format=output_format)
+    out = _record(mapping, record["mapping"], record.get("mapping_origin", "aoa.models"),
+                  record["source_dtypes"])
+    out["absent_groups"] = record.get("absent_groups", [])
+    out["resharded_with"] = text
+    return Job("reshard", mapping, text, "aoa.models reshard", mapping.layout, conversion,
+               out)
+
+
+# --- checks --------------------------------------------------------------------------------
+
+
+def check_tensors(info: Mapping[str, list[ShardDesc]], expected: Mapping[str, Expected],
+                  cfg: Config, family: str) -> set[str]:
+    """The checkpoint holds exactly the family's tensors with the shapes the config gives.
+    Returns the optional groups that are wholly absent."""
+    groups: dict[str, list[str]] = {}
+    for key, spec in expected.items():
+        if spec.group is not None:
+            groups.setdefault(spec.group, []).append(key)
+    absent = {group for group, keys in groups.items() if not any(k in info for k in keys)}
+    missing = [key for key, spec in expected.items()
+               if key not in info and spec.group not in absent]
+    if missing:
+        raise ModelError(f"the checkpoint lacks {len(missing)} tensor(s) that the {family} "
+                         f"family has for {cfg.path}: {_some(missing)}",
+                         hint="Check that config.json belongs to these weights (layer and "
+                              "expert counts, tie_word_embeddings, bias flags).")
+    extra = [key for key in info if key not in expected]
+    if extra:
+        raise ModelError(f"the checkpoint holds {len(extra)} tensor(s) the {family} family "
+                         f"does not know for {cfg.path}: {_some(extra)}",
+                         hint="A key the family does not know is never passed on silently: "
+                              "check config.json, or write the mapping by hand (--mapping).")
+    for key, spec in expected.items():
+        if key not in info:
+            continue
+        shape = info[key][0].global_shape
+        if tuple(shape) != spec.shape:
+            raise ModelError(f"'{key}' has shape {list(shape)}, but {cfg.path} gives "
+                             f"{spec.describe()}",
+                             hint="A count in config.json (heads, head_dim, sizes) does not "
+                                  "match these weights.")
+    return absent
+
+
+def _some(keys: list[str], count: int = 5) -> str:
+    shown = ", ".join(keys[:count])
+    return shown + (f" and {len(keys) - count} more" if len(keys) > count else "")
+
+
+def _check_target(info: Mapping[str, list[ShardDesc]], mapping: ModelMapping, record: dict,
+                  cfg: Config) -> None:
+    """A converted folder holds the target tensors of its record, laid out as its record's
+    mesh says (a fused layout is read with the degree it was written at)."""
+    source = {key: [ShardDesc.full(key, spec.shape, record["source_dtypes"].get(
+        _template_of(key, record["source_dtypes"]), "float32"))]
+              for key, spec in mapping.source_tensors.items()
+              if spec.group not in set(record.get("absent_groups", []))}
+    outputs = derived_outputs(MappingText(record["mapping"]), source)
+    missing = sorted(set(outputs) - set(info))
+    extra = sorted(set(info) - set(outputs))
+    if missing or extra:
+        what = (f"lacks {_some(missing)}" if missing else "") + \
+            ("; " if missing and extra else "") + (f"holds unknown {_some(extra)}" if extra
+                                                   else "")
+        raise ModelError(f"the folder does not hold the {record['target']} tensors its "
+                         f"record and {cfg.path} give: it {what}")
+    for key, shards in mapping.layout.shards(outputs).by_key.items():
+        want = {(s.global_offset, s.local_shape) for s in shards}
+        have = {(s.global_offset, s.local_shape) for s in info[key]}
+        if want != have or info[key][0].global_shape != shards[0].global_shape:
+            raise ModelError(f"'{key}' is not laid out as the record's mesh "
+                             f"{record['mesh']} says (its shards: "
+                             f"{sorted(o for o, _ in have)})",
+                             hint="A fused layout is read with the degrees it was written "
+                                  "at; the record must be the one written with the files.")
+
+
+def _template_of(key: str, templates: Mapping[str, str]) -> str:
+    for template in templates:
+        if template == key or template_pattern(template).match(key):
+            return template
+    return key
+
+
+def _check_outputs(conversion: Conversion, expected: Mapping[str, Expected],
+                   absent: set[str]) -> None:
+    got = {d.key: d.global_shape for d in conversion.plan.destinations}
+    want = {k: s.shape for k, s in expected.items() if s.group not in absent}
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(k for k in set(got) & set(want) if got[k] != want[k])
+        raise ModelError("the way back does not give the Hugging Face tensors of the family: "
+                         + "; ".join(part for part in (
+                             f"missing {_some(missing)}" if missing else "",
+                             f"unknown {_some(extra)}" if extra else "",
+                             f"wrong shape {_some(wrong)}" if wrong else "") if part))
+
+
+def _stored_dtypes(mapping: ModelMapping, info: Mapping[str, list[ShardDesc]]
+                   ) -> dict[str, str]:
+    writes = sorted({write for step in mapping.steps for write in step.writes})
+    return template_dtypes(writes, {key: shards[0].dtype or "float32"
+                                    for key, shards in info.items()})
+
+
+def _mesh(record: dict) -> Mesh:
+    mesh = record["mesh"]
+    return Mesh(tp=mesh.get("tp", 1), ep=mesh.get("ep", 1), pp=mesh.get("pp", 1))
+
+
+def _record(mapping: ModelMapping, text: str, origin: str, source_dtypes: Mapping[str, str]
+            ) -> dict[str, Any]:
+    return {"aoa_version": aoa_version(), "family": mapping.family,
+            "model_type": mapping.model_type, "target": mapping.target,
+            "mesh": mapping.mesh.to_json(), "dtype": mapping.dtype, "mapping": text,
+            "mapping_origin": origin, "layout": layout_text(mapping.layout),
+            "source_dtypes": dict(sorted(source_dtypes.items()))}
+
+
+def _read_text(path: str | Path) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise UsageError(f"cannot read mapping {path}: {error.strerror}") from None

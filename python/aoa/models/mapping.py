@@ -1,0 +1,188 @@
+"""A family's steps made into what a conversion runs: the forward AOA text (Hugging Face ->
+target), its true inverse, the text that lays a target out again at other degrees, the casts
+each needs, and the destination layout on the mesh.
+
+Casts: the target keeps what PaddleFormers keeps in float32 (router gates) in float32 and,
+with a dtype asked for, everything else in that dtype; the way back restores each tensor's
+original dtype (exact where the forward cast widened; a narrowed tensor comes back widened).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from aoa.mesh_layout import MeshLayout, Rule
+from aoa.models.base import (
+    EXPERT,
+    LAYER,
+    Config,
+    Expected,
+    Family,
+    Mesh,
+    ModelError,
+    Step,
+    TargetMapping,
+    concrete_keys,
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelMapping:
+    """Everything a conversion between Hugging Face and a target needs, as text and layout."""
+
+    family: str
+    model_type: str
+    target: str
+    mesh: Mesh
+    dtype: str | None
+    forward: str
+    layout: MeshLayout
+    source_tensors: dict[str, Expected]
+    steps: tuple[Step, ...]
+
+    def inverse(self, source_dtypes: Mapping[str, str] | None = None,
+                stored_dtypes: Mapping[str, str] | None = None) -> str:
+        """Target -> Hugging Face. ``source_dtypes``: the original dtype of each source key
+        template (as recorded by the forward conversion); ``stored_dtypes``: the dtype each
+        target key template has now. Without them no cast is written."""
+        return _inverse_text(self, source_dtypes or {}, stored_dtypes or {})
+
+    def reshard(self, stored_dtypes: Mapping[str, str] | None = None) -> str:
+        """Target at other degrees -> target at these degrees (and dtype)."""
+        return _reshard_text(self, stored_dtypes or {})
+
+
+def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | None = None,
+          source_dtypes: Mapping[str, str] | None = None) -> ModelMapping:
+    """The mapping of ``family`` onto ``target`` for this config, mesh and dtype.
+    ``source_dtypes``: the dtype of each source key template, when a checkpoint is at hand
+    (casts that would change nothing are then left out)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if target not in family.targets:
+        raise ModelError(f"the {family.name} family has no '{target}' target "
+                         f"(it has {', '.join(family.targets)})")
+    mapping = family.targets[target](cfg, mesh)
+    forward = _forward_text(family, cfg, target, mapping, dtype, source_dtypes or {})
+    return ModelMapping(family.name, cfg.model_type, target, mesh, dtype, forward,
+                        layout(mapping, mesh), family.tensors(cfg), tuple(mapping.steps))
+
+
+def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
+    """The family's splits as mesh rules; dimensions of size 1, and rules for keys the
+    mapping does not write, are left out."""
+    dimensions = {name: size for name, size in mesh.dimensions().items()
+                  if size > 1 or name == "tp"}
+    written = [write.replace(LAYER, "0").replace(EXPERT, "0")
+               for step in mapping.steps for write in step.writes]
+    rules = []
+    for split in mapping.splits:
+        if not any(fnmatch.fnmatchcase(key, split.match) for key in written):
+            continue
+        axes: dict[str, int] = {}
+        places = {}
+        if split.tp is not None and mesh.tp > 1:
+            axes["tp"] = split.tp
+        if split.ep is not None and mesh.ep > 1:
+            if isinstance(split.ep, int):
+                axes["ep"] = split.ep
+            else:
+                places["ep"] = split.ep
+        if split.pp is not None and mesh.pp > 1:
+            places["pp"] = split.pp
+        if axes or places:
+            rules.append(Rule(split.match, axes, places))
+    return MeshLayout(dimensions, tuple(rules), "<model layout>")
+
+
+def template_dtypes(templates: Sequence[str], key_dtypes: Mapping[str, str]) -> dict[str, str]:
+    """The dtype of each template's concrete keys; the keys of one template must agree."""
+    keys = list(key_dtypes)
+    found: dict[str, str] = {}
+    for template in templates:
+        dtypes = {key_dtypes[key] for key in concrete_keys(template, keys)}
+        if len(dtypes) > 1:
+            raise ModelError(f"the keys of '{template}' do not share one dtype "
+                             f"({', '.join(sorted(dtypes))})",
+                             hint="Convert with --dtype to make them one.")
+        if dtypes:
+            found[template] = dtypes.pop()
+    return found
+
+
+def _header(family: Family, cfg: Config, target: str, notes: Sequence[str]) -> list[str]:
+    lines = [f"# {family.summary or family.name}: Hugging Face ({cfg.model_type}) -> {target}",
+             "# made by aoa.models from config.json; edit and pass with --mapping"]
+    lines += [f"# {note}" for note in notes]
+    return lines
+
+
+def _cast(statement: str, dtype: str) -> str:
+    return f"{statement}, dtype='{dtype}'"
+
+
+def _forward_text(family: Family, cfg: Config, target: str, mapping: TargetMapping,
+                  dtype: str | None, source_dtypes: Mapping[str, str]) -> str:
+    lines = _header(family, cfg, target, mapping.notes)
+    casts: list[str] = []
+    for step in mapping.steps:
+        want = "float32" if step.float32 else dtype
+        have = {source_dtypes.get(read) for read in step.reads}
+        if want is None or have == {want}:
+            lines += step.forward
+        elif step.simple:
+            lines.append(_cast(step.forward[0], want))
+        else:
+            lines += step.forward
+            casts += [_cast(f"{write} -> {write}", want) for write in step.writes]
+    if casts:
+        lines.append(f"# cast to {dtype}")
+        lines += casts
+    return "\n".join(lines) + "\n"
+
+
+def _inverse_text(mapping: ModelMapping, source_dtypes: Mapping[str, str],
+                  stored_dtypes: Mapping[str, str]) -> str:
+    lines = [f"# {mapping.target} -> Hugging Face ({mapping.model_type}): the inverse of the "
+             "forward mapping, made by aoa.models"]
+    casts: list[str] = []
+    for step in mapping.steps:
+        stored = {stored_dtypes.get(write) for write in step.writes}
+        wants = [(read, source_dtypes.get(read)) for read in step.reads]
+        differ = [(read, want) for read, want in wants
+                  if want is not None and stored != {want} and None not in stored]
+        if step.inverse and step.inverse[0].endswith("-> _"):
+            differ = []  # a copy dropped on the way back
+        if differ and step.simple:
+            lines.append(_cast(step.inverse[0], differ[0][1]))  # type: ignore[arg-type]
+            continue
+        lines += step.inverse
+        casts += [_cast(f"{read} -> {read}", want) for read, want in differ]  # type: ignore
+    if casts:
+        lines.append("# back to the dtypes of the original checkpoint")
+        lines += casts
+    return "\n".join(lines) + "\n"
+
+
+def _reshard_text(mapping: ModelMapping, stored_dtypes: Mapping[str, str]) -> str:
+    lines = [f"# {mapping.target} at other degrees -> {mapping.target} at "
+             f"tp {mapping.mesh.tp}, ep {mapping.mesh.ep}, pp {mapping.mesh.pp}: fused layouts "
+             "that depend on the degree are laid out again; every other key is resharded as "
+             "it is"]
+    casts: list[str] = []
+    for step in mapping.steps:
+        lines += step.reshard
+        want = "float32" if step.float32 else mapping.dtype
+        if want is None:
+            continue
+        for write in step.writes:
+            if stored_dtypes.get(write) != want:
+                casts.append(_cast(f"{write} -> {write}", want))
+    if casts:
+        lines.append(f"# cast to {mapping.dtype}")
+        lines += casts
+    return "\n".join(lines) + "\n"

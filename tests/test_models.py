@@ -1,0 +1,370 @@
+"""The model library without transformers: mappings made from config.json, the layout they
+give, and the mistakes a conversion refuses with a clear error and nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aoa
+from aoa.cli import main
+from aoa.models import FAMILIES, Config, Mesh, ModelError, known_model_types, mapping_for
+from aoa.storage.safetensors import SafetensorsFile, write_safetensors
+
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "tie_word_embeddings": False}
+QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": 4}
+
+
+def hf_folder(folder: Path, config: dict, *, drop: str | None = None,
+              extra: str | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """A Hugging Face folder holding exactly the tensors the family lists for ``config``
+    (minus ``drop``, plus ``extra``), random float32."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text("{}")
+    cfg = Config(config)
+    family = next(f for f in FAMILIES if cfg.model_type in f.model_types)
+    shapes = {k: v.shape for k, v in family.tensors(cfg).items() if k != drop}
+    if extra:
+        shapes[extra] = (2,)
+    rng = np.random.default_rng(seed)
+    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+    def fill(views):
+        for name, view in views.items():
+            np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
+
+    write_safetensors(folder / "model.safetensors",
+                      [aoa.ShardDesc.full(k, v.shape, "float32") for k, v in tensors.items()],
+                      None, fill)
+    return tensors
+
+
+def run(*arguments: str, capsys) -> tuple[int, str, str]:
+    status = main(list(arguments))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_every_family_maps_its_config():
+    assert {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
+            "deepseek_v3", "glm4_moe", "gpt_oss", "gemma3_text", "phi3"} <= set(
+        known_model_types())
+
+
+def test_mapping_text_is_what_a_person_writes():
+    mapping = mapping_for(QWEN3, "paddleformers", Mesh(tp=2))
+    lines = [line for line in mapping.forward.splitlines() if not line.startswith("#")]
+    assert ("model.layers.$LAYER_ID.self_attn.q_proj.weight^T, "
+            "model.layers.$LAYER_ID.self_attn.k_proj.weight^T, "
+            "model.layers.$LAYER_ID.self_attn.v_proj.weight^T -> "
+            "model.layers.$LAYER_ID.self_attn.qkv_proj.weight, fused_qkv, num_heads=8, "
+            "num_key_value_groups=4") in lines
+    assert ("model.layers.$LAYER_ID.mlp.gate_proj.weight^T, "
+            "model.layers.$LAYER_ID.mlp.up_proj.weight^T -> "
+            "model.layers.$LAYER_ID.mlp.up_gate_proj.weight, fused_ffn") in lines
+    assert "lm_head.weight -> model.lm_head.weight" in lines
+    rules = {rule.match: rule.axes for rule in mapping.layout.rules}
+    assert rules["model.layers.*.qkv_proj.weight"] == {"tp": 1}
+    assert rules["model.layers.*.o_proj.weight"] == {"tp": 0}
+    assert rules["model.embedding.embed_tokens.weight"] == {"tp": 0}
+
+
+def test_dtype_adds_casts_and_keeps_routers_float32():
+    moe = {**QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 16}
+    text = mapping_for(moe, "paddleformers", dtype="bfloat16").forward
+    assert ("model.layers.$LAYER_ID.mlp.gate.weight -> model.layers.$LAYER_ID.mlp.gate.weight,"
+            " dtype='float32'") in text
+    assert ("model.layers.$LAYER_ID.self_attn.qkv_proj.weight -> "
+            "model.layers.$LAYER_ID.self_attn.qkv_proj.weight, dtype='bfloat16'") in text
+
+
+def test_expert_and_pipeline_placement():
+    moe = {**QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 16,
+           "num_hidden_layers": 4}
+    mapping = mapping_for(moe, "paddleformers", Mesh(tp=2, ep=2, pp=2))
+    outputs = {key: (spec_shape, "float32") for key, spec_shape in {
+        "model.layers.3.mlp.experts.1.up_gate_proj.weight": (32, 32),
+        "model.layers.0.mlp.experts.2.down_proj.weight": (16, 32),
+        "model.layers.1.self_attn.qkv_proj.weight": (32, 64),
+        "model.embedding.embed_tokens.weight": (64, 32),
+        "model.lm_head.weight": (64, 32)}.items()}
+    shards = mapping.layout.shards(outputs)
+    listed = [s for key_shards in shards.by_key.values() for s in key_shards]
+    ranks = [[listed[i] for i in rank] for rank in shards.ranks]
+    held = [{s.key for s in rank} for rank in ranks]
+    # ranks: pp outermost, then ep, then tp; layers 0-1 on stage 0, layers 2-3 on stage 1;
+    # experts 0-1 on ep 0, experts 2-3 on ep 1; both tp ranks hold a whole expert
+    assert mapping.layout.mesh == {"pp": 2, "ep": 2, "tp": 2}
+    expert = "model.layers.3.mlp.experts.1.up_gate_proj.weight"
+    assert [r for r, keys in enumerate(held) if expert in keys] == [4, 5]
+    expert = "model.layers.0.mlp.experts.2.down_proj.weight"
+    assert [r for r, keys in enumerate(held) if expert in keys] == [2, 3]
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    assert [r for r, keys in enumerate(held) if qkv in keys] == [0, 1, 2, 3]
+    assert [r for r, keys in enumerate(held)
+            if "model.embedding.embed_tokens.weight" in keys] == [0, 1, 2, 3]
+    assert [r for r, keys in enumerate(held) if "model.lm_head.weight" in keys] == [4, 5, 6, 7]
+    shards = {(s.key, s.global_offset) for rank in ranks for s in rank}
+    assert (qkv, (0, 32)) in shards  # split by tp on axis 1
+
+
+def test_unknown_family_lists_the_known_ones():
+    with pytest.raises(ModelError) as error:
+        mapping_for({**LLAMA, "model_type": "bert"}, "paddleformers")
+    assert "model_type 'bert' is not a family aoa knows (known: deepseek_v3, gemma3_text" in \
+        str(error.value)
+    assert "Write the mapping by hand" in error.value.render()
+
+
+def test_missing_config_field_is_named():
+    config = dict(LLAMA)
+    del config["num_hidden_layers"]
+    with pytest.raises(ModelError, match="the llama family needs 'num_hidden_layers', which "
+                                         "the file does not have"):
+        mapping_for(config, "paddleformers")
+
+
+def test_tensor_parallel_must_divide_heads():
+    with pytest.raises(ModelError, match="--tp 8 does not divide num_key_value_heads 4"):
+        mapping_for(LLAMA, "paddleformers", Mesh(tp=8))
+
+
+@pytest.fixture
+def hf(tmp_path):
+    tensors = hf_folder(tmp_path / "hf", LLAMA)
+    return tmp_path / "hf", tensors
+
+
+def test_convert_writes_shards_side_files_and_record(hf, tmp_path, capsys):
+    folder, tensors = hf
+    status, _, err = run("convert", "--source", str(folder), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", "--tp", "2",
+                         "--quiet", capsys=capsys)
+    assert status == 0, err
+    names = sorted(p.name for p in (tmp_path / "pf").iterdir())
+    assert names == ["aoa-conversion.json", "config.json", "rank-00000-of-00002.safetensors",
+                     "rank-00001-of-00002.safetensors", "tokenizer.json"]
+    record = json.loads((tmp_path / "pf" / "aoa-conversion.json").read_text())
+    assert record["family"] == "llama" and record["mesh"] == {"tp": 2, "ep": 1, "pp": 1}
+    assert record["dtype"] is None and record["aoa_version"]
+    assert record["mapping"] == mapping_for(LLAMA, "paddleformers", Mesh(tp=2)).forward
+    with SafetensorsFile.open(tmp_path / "pf" / "rank-00001-of-00002.safetensors") as f:
+        q = f.array("model.layers.1.self_attn.q_proj.weight")
+        down = f.array("model.layers.1.mlp.down_proj.weight")
+    assert np.array_equal(q, tensors["model.layers.1.self_attn.q_proj.weight"].T[:, 16:])
+    assert np.array_equal(down, tensors["model.layers.1.mlp.down_proj.weight"].T[32:])
+
+
+def test_edited_mapping_is_used(hf, tmp_path, capsys):
+    folder, _ = hf
+    status, text, _ = run("mapping", "--config", str(folder / "config.json"), "--to",
+                          "paddleformers", capsys=capsys)
+    assert status == 0 and "# layout (TOML" in text
+    edited = text.replace("model.norm.weight -> model.norm.weight",
+                          "model.norm.weight -> model.norm.weight, dtype='float16'")
+    (tmp_path / "edited.aoa").write_text(edited)
+    status, _, err = run("convert", "--source", str(folder), "--output", str(tmp_path / "pf"),
+                         "--to", "paddleformers", "--mapping", str(tmp_path / "edited.aoa"),
+                         "--quiet", capsys=capsys)
+    assert status == 0, err
+    with SafetensorsFile.open(tmp_path / "pf" / "rank-00000-of-00001.safetensors") as f:
+        assert f.array("model.norm.weight").dtype == np.float16
+    record = json.loads((tmp_path / "pf" / "aoa-conversion.json").read_text())
+    assert record["mapping"] == edited and record["mapping_origin"].endswith("edited.aoa")
+
+
+@pytest.mark.parametrize(("config", "drop", "extra", "message"), [
+    ({**LLAMA, "num_key_value_heads": 2}, None, None,
+     "'model.layers.0.self_attn.k_proj.weight' has shape [16, 32], but "),
+    (LLAMA, "model.layers.1.mlp.up_proj.weight", None,
+     "the checkpoint lacks 1 tensor(s) that the llama family has for "),
+    (LLAMA, None, "model.layers.0.mlp.gate_proj.bias",
+     "the checkpoint holds 1 tensor(s) the llama family does not know for "),
+])
+def test_mistakes_are_clear_errors_and_write_nothing(tmp_path, capsys, config, drop, extra,
+                                                     message):
+    folder = tmp_path / "hf"
+    hf_folder(folder, LLAMA, drop=drop, extra=extra)
+    (folder / "config.json").write_text(json.dumps(config))
+    status, _, err = run("convert", "--source", str(folder), "--output", str(tmp_path / "pf"),
+                         "--to", "paddleformers", "--tp", "2", "--quiet", capsys=capsys)
+    assert status == 1
+    assert message in err
+    assert not (tmp_path / "pf").exists()
+
+
+def test_wrong_head_count_names_the_config_fields(tmp_path, capsys):
+    hf_folder(tmp_path / "hf", LLAMA)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**LLAMA, "num_key_value_heads": 2}))
+    _, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                    str(tmp_path / "pf"), "--to", "paddleformers", "--quiet", capsys=capsys)
+    assert ("gives [8 (num_key_value_heads * head_dim), 32 (hidden_size)]" in err)
+
+
+def test_output_that_is_not_empty_is_refused(hf, tmp_path, capsys):
+    folder, _ = hf
+    (tmp_path / "pf").mkdir()
+    (tmp_path / "pf" / "notes.txt").write_text("mine")
+    status, _, err = run("convert", "--source", str(folder), "--output", str(tmp_path / "pf"),
+                         "--to", "paddleformers", "--quiet", capsys=capsys)
+    assert status == 1 and "the output folder is not empty" in err
+    assert sorted(p.name for p in (tmp_path / "pf").iterdir()) == ["notes.txt"]
+
+
+def test_unknown_family_on_the_command_line(tmp_path, capsys):
+    hf_folder(tmp_path / "hf", LLAMA)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**LLAMA, "model_type": "bert"}))
+    status, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", capsys=capsys)
+    assert status == 1 and "known: deepseek_v3" in err and "hint: Write the mapping" in err
+    assert not (tmp_path / "pf").exists()
+
+
+def test_back_to_hf_and_reshard(hf, tmp_path, capsys):
+    folder, tensors = hf
+    for source, output, extra in ((folder, "tp2", ["--to", "paddleformers", "--tp", "2"]),
+                                  (tmp_path / "tp2", "tp4", ["--to", "paddleformers",
+                                                             "--tp", "4"]),
+                                  (tmp_path / "tp4", "back", ["--to", "hf"])):
+        status, _, err = run("convert", "--source", str(source), "--output",
+                             str(tmp_path / output), *extra, "--quiet", capsys=capsys)
+        assert status == 0, err
+    with SafetensorsFile.open(tmp_path / "back" / "model.safetensors") as f:
+        assert set(f.tensors) == set(tensors)
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
+    assert not (tmp_path / "back" / "aoa-conversion.json").exists()
+
+
+def test_to_hf_needs_a_converted_folder(hf, tmp_path, capsys):
+    folder, _ = hf
+    status, _, err = run("convert", "--source", str(folder), "--output", str(tmp_path / "x"),
+                         "--to", "hf", capsys=capsys)
+    assert status == 2 and "not a folder aoa converted" in err
+
+
+def test_record_must_match_the_files(hf, tmp_path, capsys):
+    """A TP-2 folder whose record claims TP 4 is refused, not read with the wrong layout."""
+    folder, _ = hf
+    run("convert", "--source", str(folder), "--output", str(tmp_path / "pf"), "--to",
+        "paddleformers", "--tp", "2", "--quiet", capsys=capsys)
+    record_path = tmp_path / "pf" / "aoa-conversion.json"
+    record = json.loads(record_path.read_text())
+    record["mesh"]["tp"] = 4
+    record_path.write_text(json.dumps(record))
+    status, _, err = run("convert", "--source", str(tmp_path / "pf"), "--output",
+                         str(tmp_path / "back"), "--to", "hf", capsys=capsys)
+    assert status == 1 and "is not laid out as the record's mesh" in err
+    assert not (tmp_path / "back").exists()
+
+
+def test_library_call_gives_a_compilable_mapping():
+    mapping = mapping_for(LLAMA, "paddleformers")
+    source = {k: [aoa.ShardDesc.full(k, v.shape, "float32")]
+              for k, v in mapping.source_tensors.items()}
+    plan = aoa.compile(mapping.forward, source)
+    assert {d.key for d in plan.destinations} == set(mapping.source_tensors)
+
+
+DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 16,
+            "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+            "n_routed_experts": 4, "n_shared_experts": 1, "q_lora_rank": 8,
+            "kv_lora_rank": 4, "qk_rope_head_dim": 2, "qk_nope_head_dim": 2, "v_head_dim": 2,
+            "num_nextn_predict_layers": 1, "tie_word_embeddings": False}
+GLM = {"model_type": "glm4_moe", "vocab_size": 64, "hidden_size": 16, "head_dim": 2,
+       "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+       "num_attention_heads": 8, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+       "n_routed_experts": 4, "n_shared_experts": 1, "use_qk_norm": True,
+       "num_nextn_predict_layers": 1, "tie_word_embeddings": False}
+
+
+def round_trip(tmp_path, capsys, *steps: list[str]) -> str:
+    folder, notes = tmp_path / "hf", ""
+    for index, extra in enumerate(steps):
+        status, _, err = run("convert", "--source", str(folder), "--output",
+                             str(tmp_path / f"out{index}"), *extra, "--quiet", capsys=capsys)
+        assert status == 0, err
+        notes += err
+        folder = tmp_path / f"out{index}"
+    return notes
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK, GLM], ids=["deepseek_v3", "glm4_moe"])
+def test_multi_token_prediction_layers_round_trip(tmp_path, capsys, config):
+    tensors = hf_folder(tmp_path / "hf", config)
+    assert any(k.startswith("model.layers.2.eh_proj") for k in tensors)
+    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--ep", "2"],
+               ["--to", "hf"])
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        assert set(f.tensors) == set(tensors)
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
+    with SafetensorsFile.open(tmp_path / "out0" / "rank-00000-of-00004.safetensors") as f:
+        eh = f.array("model.layers.2.eh_proj.weight")
+        assert np.array_equal(eh, tensors["model.layers.2.eh_proj.weight"].T)
+        if config is GLM:  # the MTP layer's decoder goes under transformer_layer.
+            assert "model.layers.2.transformer_layer.self_attn.qkv_proj.weight" in f.tensors
+            assert "model.layers.2.norm.weight" in f.tensors
+
+
+def test_a_checkpoint_without_its_mtp_layers_converts_with_a_note(tmp_path, capsys):
+    full = hf_folder(tmp_path / "all", DEEPSEEK)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DEEPSEEK))
+    kept = {k: v for k, v in full.items() if not k.startswith("model.layers.2.")}
+
+    def fill(views):
+        for name, view in views.items():
+            np.frombuffer(view, np.uint8)[:] = kept[name].view(np.uint8).reshape(-1)
+
+    write_safetensors(folder / "model.safetensors",
+                      [aoa.ShardDesc.full(k, v.shape, "float32") for k, v in kept.items()],
+                      None, fill)
+    notes = round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2"],
+                       ["--to", "hf"])
+    assert "'num_nextn_predict_layers' is 1, but the checkpoint holds none of those layers" \
+        in notes
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        assert set(f.tensors) == set(kept)
+
+
+def test_a_partial_mtp_layer_is_an_error(tmp_path, capsys):
+    hf_folder(tmp_path / "hf", DEEPSEEK, drop="model.layers.2.hnorm.weight")
+    status, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", capsys=capsys)
+    assert status == 1 and "lacks 1 tensor(s)" in err and "model.layers.2.hnorm.weight" in err
+
+
+def test_demo_converts_and_comes_back(capsys):
+    from aoa import demo
+
+    assert demo.run() == 0
+    out = capsys.readouterr().out
+    assert "all bytes identical" in out and "every tensor byte-identical" in out
+
+
+def test_the_output_format_is_one_argument(hf, tmp_path, capsys):
+    """Paddle FlexCheckpoint files instead of sharded safetensors, and back."""
+    folder, tensors = hf
+    round_trip_steps = (["--to", "paddleformers", "--tp", "2", "--output-format", "paddle"],
+                        ["--to", "hf"])
+    source = folder
+    for index, extra in enumerate(round_trip_steps):
+        status, _, err = run("convert", "--source", str(source), "--output",
+                             str(tmp_path / f"out{index}"), *extra, "--quiet", capsys=capsys)
+        assert status == 0, err
+        source = tmp_path / f"out{index}"
+    assert (tmp_path / "out0" / "0.metadata").is_file()
+    record = json.loads((tmp_path / "out0" / "aoa-conversion.json").read_text())
+    assert record["format"] == "paddle"
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
