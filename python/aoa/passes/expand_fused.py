@@ -1,4 +1,5 @@
-"""Expand the layout macros: `X^T`, `fused_ffn`, `fused_qkv_old`, `fused_qkv` (spec 5.6-5.10).
+"""Expand the layout macros: `X^T`, `fused_ffn`, `fused_qkv_old`, `fused_qkv` (spec 5.6-5.10),
+and PaddleFormers' `fused_in_proj`.
 
 They rewrite one statement into splits and concats over named pieces. `fused_ffn` and
 `fused_qkv_old` depend on how many shards the fused tensor has on each side, which the
@@ -19,6 +20,7 @@ from math import lcm
 
 from aoa.errors import MacroError
 from aoa.ir import NOTHING, Attribute, Name, Program, Statement
+from aoa.layout import shard_count
 from aoa.limits import MAX_MACRO_NAMES
 from aoa.passes.context import CompileContext
 from aoa.passes.resolve_chains import ChainedProgram, Chains
@@ -31,6 +33,7 @@ _ALLOWED = {
     "fused_ffn": {"fused_ffn", "axis"},
     "fused_qkv_old": {"fused_qkv_old", "axis", "num_heads", "num_key_value_groups"},
     "fused_qkv": {"fused_qkv", "axis", "num_heads", "num_key_value_groups"},
+    "fused_in_proj": {"fused_in_proj", "axis", "tp_probe_key"},
 }
 
 
@@ -48,8 +51,8 @@ class FreshNames:
 
     A macro's pieces live under a prefix that no such name starts with (`fused_ffn_tmp.`,
     else `fused_ffn_tmp_1.`, ...); a transposed view is `X_transpose_tmp` unless that is
-    taken (then `X_transpose_tmp_1`, ...). Pieces end in a number after `GATE_`, `UP_`, `Q_`,
-    `K_` or `V_` and views in `_transpose_tmp` or a number after it, so the two never meet.
+    taken (then `X_transpose_tmp_1`, ...). A piece is its prefix, a letter or two and a
+    number; a view ends in `_transpose_tmp` or a number after it: the two never meet.
     Names are reused from statement to statement: each statement's pieces are joined
     before the next statement runs."""
 
@@ -355,6 +358,54 @@ class _Fuser:
                   for whole, names in parts),
                 self._make(s, "fused_qkv", grouped, [s.right[0]], axis, span)]
 
+
+
+    # fused_in_proj -----------------------------------------------------------------------
+    def fused_in_proj(self, written: Statement, s: Statement, flag: Attribute, axis: int):
+        """PaddleFormers 1.2.0's macro for Qwen3.5's linear attention (it registers it in
+        Paddle's macro table; Paddle 3.3.1 has none): `a, b, ... -> fused, fused_in_proj,
+        axis=A, tp_probe_key=KEY` cuts each source into as many equal pieces as KEY (else
+        the destination) has shards and lays them out rank by rank, [a_r, b_r, ...] for
+        each r, so that a plain split gives every rank its share of every part, however
+        unequal the parts. One shard: the parts one after the other."""
+        span = flag.span
+        if len(s.left) < 2 or len(s.right) != 1:
+            raise MacroError("fused_in_proj takes `a, b, ... -> fused` (two sources or more)",
+                             s.span, hint="Split a fused tensor back with a statement per "
+                                          "part size (its parts may differ in size).")
+        if self.ctx.reverse:
+            raise MacroError("fused_in_proj cannot run backwards: its parts may differ in "
+                             "size, and the fused tensor does not say where one ends", span,
+                             hint="Write the way back as splits into equal chunks and "
+                                  "concats of them, as PaddleFormers' inverse does.")
+        shards = self._probe_count(written, s)
+        if shards == 1:
+            return [self._plain_concat(s, "fused_in_proj", axis, span)]
+        if shards * len(s.left) > MAX_MACRO_NAMES:
+            raise MacroError(f"fused_in_proj of {len(s.left)} parts over {shards} shards "
+                             f"makes more than {MAX_MACRO_NAMES} pieces", span)
+        prefix = self.fresh.prefix("fused_in_proj_tmp")
+        pieces = [[f"{prefix}P{i}_{r}" for r in range(shards)] for i in range(len(s.left))]
+        return [*(self._make(s, "fused_in_proj", [whole], names, axis, span)
+                  for whole, names in zip(s.left, pieces)),
+                self._make(s, "fused_in_proj", [pieces[i][r] for r in range(shards)
+                                                for i in range(len(s.left))],
+                           [s.right[0]], axis, span)]
+
+    def _probe_count(self, written: Statement, s: Statement) -> int:
+        """Shards of the destination key `tp_probe_key` names; without one, of the
+        statement's own destination. A key with no shard information counts 1, as in
+        PaddleFormers."""
+        probe = s.attribute("tp_probe_key")
+        if probe is None:
+            return self._count(written, written.right[0])
+        if not isinstance(probe.value, str):
+            raise MacroError(f"tp_probe_key names a key, not {probe.value!r}", probe.span)
+        count, counts = shard_count(self.ctx.destination, probe.value)
+        if count is None and counts:
+            raise MacroError(f"the shard counts of '{probe.value}' and its optimizer states "
+                             f"differ ({counts})", probe.span)
+        return count or 1
 
 def run(chained: ChainedProgram, ctx: CompileContext) -> Program:
     program = chained.program
