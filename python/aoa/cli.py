@@ -205,7 +205,7 @@ def cmd_convert_model(args) -> int:
     mesh = job.record["mesh"]
     where = "Hugging Face" if args.to == "hf" else (
         f"{args.to}, tp {mesh['tp']} ep {mesh['ep']} pp {mesh['pp']}")
-    print(f"{job.mapping.family} ({job.mapping.model_type}) -> {where}: wrote "
+    print(f"{job.mapping.name} ({job.mapping.model_type}) -> {where}: wrote "
           f"{len(conversion.files)} files ({conversion.nbytes / 1e9:.3f} GB) to {args.output} "
           f"in {conversion.seconds:.2f} s, {rate:.2f} GB/s")
     return EXIT_OK
