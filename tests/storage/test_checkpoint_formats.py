@@ -215,6 +215,32 @@ def test_sharded_bin_with_index(tmp_path):
                        "b": torch.arange(4.0).numpy().tobytes()}
 
 
+def _sharded_bin(folder: Path, weight_map: dict[str, str], extra: bool = False) -> Path:
+    folder.mkdir()
+    torch.save({"a": torch.ones(2, 3)}, folder / "pytorch_model-00001-of-00002.bin")
+    second = {"b": torch.arange(4.0)} | ({"c": torch.zeros(1)} if extra else {})
+    torch.save(second, folder / "pytorch_model-00002-of-00002.bin")
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": weight_map}))
+    return folder / "pytorch_model.bin.index.json"
+
+
+def test_a_bin_index_that_disagrees_with_its_files_is_refused(tmp_path):
+    first, second = "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"
+    for case, weight_map, key, name in (("wrong file", {"a": second, "b": second}, "a", second),
+                                        ("not stored", {"a": first, "z": second}, "z", second)):
+        index = _sharded_bin(tmp_path / case, weight_map)
+        with pytest.raises(StorageError) as caught:
+            open_source(index.parent)
+        assert caught.value.message == (f"{index}: says tensor '{key}' is in '{name}', which "
+                                        "does not hold it")
+    index = _sharded_bin(tmp_path / "unnamed", {"a": first, "b": second}, extra=True)
+    with pytest.raises(StorageError) as caught:
+        open_source(index.parent)
+    assert caught.value.message == (f"{index.parent / second}: tensor 'c' is not in the index "
+                                    f"{index}")
+
+
 # -------------------------------------------------------------------------------- bad input
 
 
