@@ -46,10 +46,14 @@ class Conversion:
         return sum(f.nbytes for f in self.files)
 
     def destination(self, output: str | Path) -> Destination:
-        """The output checkpoint in ``output``, in the conversion's format."""
-        assert self.format.destination is not None
-        return self.format.destination(output, self.plan.destinations, self.files,
-                                       self.job.source.extras())
+        """The output checkpoint in ``output``, in the conversion's format; the source's
+        objects are carried where the format holds the source format's objects."""
+        destination = self.format.destination
+        assert destination is not None
+        source = self.job.source
+        objects = source.objects() if source.format in destination.objects_family else {}
+        return destination(output, self.plan.destinations, self.files, source.extras(),
+                           objects)
 
     def describe(self) -> str:
         assert self.format.destination is not None
