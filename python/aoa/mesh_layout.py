@@ -216,7 +216,9 @@ def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
     for i, rule in enumerate(data.get("rule", [])):
         if not isinstance(rule, Mapping) or not isinstance(rule.get("match"), str):
             raise UsageError(f"{source}: rule {i + 1} needs match = \"key pattern\"")
-        axes, places, blocks = {}, {}, {}
+        axes: dict[str, int] = {}
+        places: dict[str, Placement] = {}
+        blocks: dict[int, int] = {}
         for name, value in rule.items():
             if name == "match":
                 continue
@@ -246,9 +248,9 @@ def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
 
 def _blocked_axis(value: Mapping, where: str) -> tuple[int, int]:
     axis, blocks = value.get("axis"), value.get("blocks", 1)
-    if set(value) - {"axis", "blocks"} or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in (axis, blocks)) \
-            or axis < 0 or blocks < 1:
+    if set(value) - {"axis", "blocks"} or not isinstance(axis, int) \
+            or not isinstance(blocks, int) or isinstance(axis, bool) \
+            or isinstance(blocks, bool) or axis < 0 or blocks < 1:
         raise UsageError(f"{where}: an axis split block by block is {{ axis = A, blocks = B }} "
                          "with A from 0 and B a positive count")
     return axis, blocks

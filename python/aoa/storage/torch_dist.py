@@ -94,6 +94,17 @@ class TorchDistDestination(DcpDestination):
         return [*paths, folder / COMMON_NAME, folder / CONFIG_NAME]
 
 
+def sharded_object(value: None = None) -> bytes:
+    """The stored bytes of a Megatron sharded object holding ``value``: ``torch.save`` of
+    the list of the rank's values, one. ``None`` is what Megatron-Core saves for a module
+    with no extra state, and what Transformer Engine's ``set_extra_state`` takes as "no FP8
+    state"."""
+    layout = TorchSaveLayout([], [value])
+    data = bytearray(layout.nbytes)
+    layout.write(memoryview(data))
+    return bytes(data)
+
+
 def _empty_common() -> bytes:
     """``torch.save({})``: Megatron's common state, empty."""
     layout = TorchSaveLayout([], {}, archive="common")
