@@ -3,13 +3,14 @@ config.json, loaded from a checkpoint aoa wrote, run on a fixed input.
 
     /work/megatron-venv/bin/python bench/megatron_model.py JOBS.json
 
-``JOBS.json`` is a list of ``{"checkpoint": DIR, "config": config.json, "out": OUT.npz}``;
-for each, the script builds the model Megatron-Core builds for that config with its local
-(non-Transformer-Engine) modules on the CPU (tensor, pipeline and expert parallel 1; gloo),
-loads the checkpoint with ``dist_checkpointing.load(model.sharded_state_dict(), DIR)`` (the
-call Megatron-LM's loader makes), and writes ``OUT.npz``: the logits on ``IDS`` and, as
-``keys``, every sharded key the model asked for with its global shape (``KEY SHAPE`` lines;
-sharded objects as their unique keys). One process runs every job: importing Megatron takes
+``JOBS.json`` is a list of ``{"config": config.json, "out": OUT.json}`` and, to load and run,
+``"checkpoint": DIR``. For each, the script builds the model Megatron-Core builds for that
+config with its local (non-Transformer-Engine) modules on the CPU (tensor, pipeline and
+expert parallel 1; gloo) and writes to ``OUT.json`` its ``sharded_state_dict``: every
+tensor's key and global shape, every sharded object's unique key (the names and shapes a
+Megatron checkpoint of this model must hold). With a checkpoint it then loads it with
+``dist_checkpointing.load(model.sharded_state_dict(), DIR)`` (the call Megatron-LM's loader
+makes) and adds the logits on ``IDS``. One process runs every job: importing Megatron takes
 most of the time.
 
 The config translation covers the families the tests convert (Llama, Mistral, Qwen2,
@@ -25,7 +26,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -58,7 +58,8 @@ def transformer_config(hf: dict):
     if experts:
         sparse = _sparse_layers(hf, experts)
         arguments.update(
-            num_moe_experts=experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            num_moe_experts=experts,
+            moe_ffn_hidden_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
             moe_router_topk=hf["num_experts_per_tok"], moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
             moe_router_pre_softmax=not (kind == "mixtral" or hf.get("norm_topk_prob")),
@@ -97,19 +98,21 @@ def gpt_model(hf: dict):
                     ).eval()
 
 
-def sharded_keys(model) -> list[str]:
+def sharded(model) -> dict:
+    """The model's sharded state dict: tensors' keys and global shapes, objects' unique
+    keys (a factory, linear_fc1's gate and up, as the tensors it builds)."""
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    lines = []
+    tensors, objects = {}, set()
     for value in model.sharded_state_dict().values():
         if isinstance(value, ShardedObject):
-            lines.append(value.unique_key)
-        elif isinstance(value, ShardedTensorFactory):
-            lines.append(f"{value.key} factory")
-        else:
-            lines.append(f"{value.key} {list(value.global_shape)}")
-    return sorted(set(lines))
+            objects.add(value.unique_key)
+            continue
+        built = value.build() if isinstance(value, ShardedTensorFactory) else [value]
+        for tensor in built if isinstance(built, list) else [built]:
+            tensors[tensor.key] = list(tensor.global_shape)
+    return {"tensors": dict(sorted(tensors.items())), "objects": sorted(objects)}
 
 
 def run(job: dict) -> None:
@@ -117,7 +120,10 @@ def run(job: dict) -> None:
 
     hf = json.loads(Path(job["config"]).read_text())
     model = gpt_model(hf)
-    keys = sharded_keys(model)
+    result = sharded(model)
+    if "checkpoint" not in job:
+        Path(job["out"]).write_text(json.dumps(result, indent=1) + "\n")
+        return
     loaded = dist_checkpointing.load(model.sharded_state_dict(), job["checkpoint"])
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -129,7 +135,8 @@ def run(job: dict) -> None:
     causal = torch.triu(torch.ones(1, 1, length, length), diagonal=1).bool()  # True: masked
     with torch.no_grad():
         logits = model(ids, positions, attention_mask=causal)
-    np.savez(job["out"], logits=logits.float().numpy(), keys=np.array(keys))
+    result["logits"] = logits.float().numpy().tolist()
+    Path(job["out"]).write_text(json.dumps(result) + "\n")
 
 
 def main() -> None:
@@ -149,7 +156,7 @@ def main() -> None:
     parallel_state.initialize_model_parallel(1, 1)
     for job in json.loads(Path(sys.argv[1]).read_text()):
         run(job)
-        print(f"{job['checkpoint']}: loaded, {job['out']}", flush=True)
+        print(f"{job.get('checkpoint', job['config'])}: {job['out']}", flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -74,10 +74,11 @@ def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | 
     if dtype is not None and dtype not in DTYPES:
         raise ModelError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if target not in family.targets:
-        others = sorted(_families_by_target().get(target, []))
+        others = sorted(_model_types_by_target().get(target, []))
         raise ModelError(f"the {family.name} family has no '{target}' target "
                          f"(it has {', '.join(family.targets)})"
-                         + (f"; the families with it: {', '.join(others)}" if others else ""))
+                         + (f"; the model types with one: {', '.join(others)}" if others
+                            else ""))
     given = {name: value for name, value in (options or {}).items() if value is not None}
     unknown = sorted(set(given) - set(TARGET_OPTIONS.get(target, ())))
     if unknown:
@@ -90,13 +91,13 @@ def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | 
                         tuple(mapping.stacking), tuple(mapping.objects), dict(mapping.options))
 
 
-def _families_by_target() -> dict[str, list[str]]:
+def _model_types_by_target() -> dict[str, list[str]]:
     from aoa.models import FAMILIES  # the registry imports this module
 
     found: dict[str, list[str]] = {}
     for family in FAMILIES:
         for target in family.targets:
-            found.setdefault(target, []).append(family.name)
+            found.setdefault(target, []).extend(family.model_types)
     return found
 
 
