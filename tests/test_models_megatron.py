@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from frameworks import MEGATRON_PYTHON
 from safetensors.numpy import load_file, save_file
 
 from aoa.cli import main
@@ -30,10 +30,6 @@ from aoa.storage.formats import open_source
 GOLDEN = Path(__file__).parent / "golden" / "megatron"
 CASES = sorted(path.stem for path in GOLDEN.glob("*.json"))
 BENCH = Path(__file__).parent.parent / "bench"
-MEGATRON_PYTHON = next((Path(p) for p in (
-    os.environ.get("AOA_MEGATRON_PYTHON", ""), "/work/megatron-venv/bin/python",
-    str(Path(__file__).parent.parent / ".megatron-venv" / "bin" / "python"))
-    if p and Path(p).is_file()), None)
 
 
 def golden(case: str) -> dict:

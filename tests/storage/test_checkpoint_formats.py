@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from frameworks import MEGATRON_PYTHON
 
 from aoa.cli import main
 from aoa.dtypes import numpy_dtype
@@ -26,7 +27,6 @@ from aoa.storage.formats import open_source
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 BENCH = Path(__file__).parent.parent.parent / "bench"
 PADDLE_PYTHON = Path("/work/paddle-venv/bin/python")
-MEGATRON_PYTHON = Path("/work/megatron-venv/bin/python")
 
 #: fixture -> (detected format, expected.npz key suffix)
 SOURCES = {
@@ -199,7 +199,7 @@ def test_converted_to_paddle_loads_in_paddle(tmp_path, fixture):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MEGATRON_PYTHON.exists(), reason="Megatron-Core venv not here")
+@pytest.mark.skipif(MEGATRON_PYTHON is None, reason="Megatron-Core venv not here")
 @pytest.mark.parametrize("fixture", ["paddle/tp2", "dcp/fsdp4", "torch_dist/tp2"])
 def test_converted_to_torch_dist_loads_in_megatron(tmp_path, fixture):
     out = convert(tmp_path, FIXTURES / fixture, "torch_dist", "rows2")
@@ -208,6 +208,7 @@ def test_converted_to_torch_dist_loads_in_megatron(tmp_path, fixture):
     objects = OBJECTS.get(fixture, {})
     spec.write_text(json.dumps({**{key: [list(shape), dtype] for key, (shape, dtype)
                                    in specs.items()}, "@objects": sorted(objects)}))
+    assert MEGATRON_PYTHON is not None
     _run_reference(MEGATRON_PYTHON, [str(BENCH / "torch_checkpoints.py"), "load-megatron",
                                      str(out), str(spec), str(tmp_path / "back.npz")])
     with np.load(tmp_path / "back.npz") as back:
