@@ -129,6 +129,17 @@ class CopyTable(Sequence[PlannedCopy]):
         return f"CopyTable({len(self)} copies in {len(self._blocks)} keys)"
 
 
+class ScaleRead(NamedTuple):
+    """A quantized source shard's second source: its values are the stored ones times the
+    scale of their block, read from source shard ``scale``; ``block`` is the elements per
+    block along each axis of the tensor, blocks counted from the tensor's origin (fp8
+    checkpoints: one ``weight_scale_inv`` value per 128 x 128 block, the last ones
+    partial)."""
+
+    scale: int
+    block: tuple[int, ...]
+
+
 @dataclass
 class Plan:
     sources: list[ShardDesc]
@@ -138,6 +149,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     #: destination shards declared with `_ -> X`: left as they are, no copy
     untouched: list[int] = field(default_factory=list)
+    #: source index -> its scales, for the source shards stored quantized
+    scales: dict[int, ScaleRead] = field(default_factory=dict)
 
     # -- queries -------------------------------------------------------------------------
     def copies_by_destination(self) -> dict[int, list[PlannedCopy]]:
@@ -145,6 +158,16 @@ class Plan:
         for c in self.copies:
             grouped[c.destination].append(c)
         return grouped
+
+    def scale_of(self, copy: PlannedCopy) -> ScaleRead | None:
+        """The scales ``copy`` dequantizes with: a copy from a quantized source into another
+        dtype reads its values (stored value times scale); into the stored dtype it moves
+        the stored bytes, as one quantized tensor to another (whose scales travel apart)."""
+        scale = self.scales.get(copy.source)
+        if scale is None or (self.sources[copy.source].dtype
+                             == self.destinations[copy.destination].dtype):
+            return None
+        return scale
 
     def destination_bytes(self) -> int:
         return sum(shard.nbytes for shard in self.destinations)
@@ -156,6 +179,8 @@ class Plan:
                 "destinations": [d.to_json() for d in self.destinations],
                 "copies": [c.to_json() for c in self.copies],
                 "untouched": list(self.untouched),
+                "scales": [[source, scale, list(block)]
+                           for source, (scale, block) in sorted(self.scales.items())],
                 "notes": list(self.notes)}
 
     @classmethod
@@ -166,7 +191,9 @@ class Plan:
         return cls([ShardDesc.from_json(s) for s in data["sources"]],
                    [ShardDesc.from_json(d) for d in data["destinations"]],
                    [PlannedCopy.from_json(c) for c in data["copies"]],
-                   list(data.get("notes", [])), list(data.get("untouched", [])))
+                   list(data.get("notes", [])), list(data.get("untouched", [])),
+                   {source: ScaleRead(scale, tuple(block))
+                    for source, scale, block in data.get("scales", [])})
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
