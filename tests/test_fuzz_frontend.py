@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -273,3 +274,41 @@ def test_fuzz_command_line_files_raise_only_aoa_errors(folder, mapping, mapping_
     source_path.write_bytes(file_content(source))
     arguments = [command, str(mapping_path), "--source", str(source_path)]
     assert run_cli(arguments) in (cli.EXIT_OK, cli.EXIT_ERRORS, cli.EXIT_USAGE)
+
+
+# --- plans read back from JSON ------------------------------------------------------------
+
+PLAN = aoa.compile(["w -> t, u, axis=1", "u, t -> d, axis=1", "a^T -> v, dtype='bfloat16'"],
+                   {"w": [aoa.ShardDesc("w", (2, 6), (4, 6), (2 * i, 0), "float32")
+                          for i in range(2)],
+                    "a": [aoa.ShardDesc.full("a", (8, 6), "float16")]},
+                   {"d": [aoa.ShardDesc("d", (4, 3), (4, 6), (0, 3 * i), "float32")
+                          for i in range(2)],
+                    "v": [aoa.ShardDesc.full("v", (6, 8), "bfloat16")]}).to_json()
+
+
+@st.composite
+def plan_json(draw):
+    """The JSON of a small real plan, with a few values anywhere in it replaced."""
+    plan = json.loads(json.dumps(PLAN))
+    for _ in range(draw(st.integers(1, 3))):
+        container, path = plan, []
+        while isinstance(container, (dict, list)) and container and draw(st.integers(0, 3)):
+            key = draw(st.sampled_from(sorted(container) if isinstance(container, dict)
+                                       else range(len(container))))
+            path.append((container, key))
+            container = container[key]
+        if path:
+            parent, key = path[-1]
+            parent[key] = draw(st.one_of(NUMBERS, ANY_JSON, st.integers(0, 9)))
+    return plan
+
+
+@fuzz_settings
+@given(plan_json(), st.integers(0, 2**32 - 1))
+def test_fuzz_plan_json_raises_only_aoa_errors(data, seed):
+    try:
+        plan = aoa.Plan.loads(dumps(data))
+    except AoaError:
+        return
+    run_plan(plan, seed)

@@ -26,6 +26,7 @@ def test_replicated_source_shards_are_read_once_from_the_first_listed():
 @pytest.mark.parametrize("shards, why", [
     ([((0, 0), (2, 6)), ((3, 0), (1, 6))], "gap"),
     ([((0, 0), (3, 6)), ((2, 0), (2, 6))], "overlap"),
+    ([((0, 0), (2, 6)), ((1, 0), (2, 6))], "overlap and gap"),  # as many elements as [4, 6]
 ])
 def test_source_shards_that_do_not_tile_are_refused(shards, why):
     source = {"w": [aoa.ShardDesc("w", local, (4, 6), offset, "float32")

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aoa.errors import AoaError, UsageError
+from aoa.inputs import load_json, read_text
 from aoa.mapping import read_mapping, read_shard_info, read_source_shards
 from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
 from aoa.passes.context import CompileContext
@@ -216,13 +217,9 @@ def cmd_mapping(args) -> int:
     from aoa.mesh_layout import layout_text
     from aoa.models import Config, mapping_for
 
-    try:
-        data = json.loads(Path(args.config).read_text())
-    except OSError as error:
-        raise UsageError(f"cannot read {args.config}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{args.config}:{error.lineno}:{error.colno}: not valid JSON: "
-                         f"{error.msg}") from None
+    data = load_json(read_text(args.config, "config"), args.config)
+    if not isinstance(data, dict):
+        raise UsageError(f"{args.config}: expected a JSON object")
     mapping = mapping_for(Config(data, args.config), args.to, _mesh(args), dtype=args.dtype)
     print(mapping.inverse() if args.inverse else mapping.forward, end="")
     if not args.inverse:

@@ -14,6 +14,10 @@ from aoa.source import Span
 
 #: Attribute keys that name a macro rather than a tensor (written bare: `a -> b, fused_ffn`).
 FLAG_ATTRIBUTES = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv", "fused_in_proj"})
+#: The fused macros that lay their fused tensor out in pieces of one size per shard (the
+#: grouped layout of `fused_qkv` is the same for any shard count; `fused_in_proj`'s parts
+#: may differ in size).
+PER_SHARD_FLAGS = frozenset({"fused_ffn", "fused_qkv_old"})
 #: Attributes whose value is a key written bare (PaddleFormers' `tp_probe_key=model.x.w`).
 NAME_ATTRIBUTES = frozenset({"tp_probe_key"})
 

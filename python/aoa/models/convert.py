@@ -27,6 +27,7 @@ from typing import Any
 
 from aoa.block_scales import FP8, Quantized
 from aoa.errors import StorageError, UsageError
+from aoa.inputs import load_json, read_text
 from aoa.jobs.convert import Conversion, execute, prepare
 from aoa.jobs.job import derived_outputs
 from aoa.layout import ShardDesc
@@ -81,15 +82,11 @@ def aoa_version() -> str:
 
 def read_config(folder: Path) -> Config:
     path = folder / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.is_file():
         raise UsageError(f"{folder}: no config.json; the model family comes from it",
                          hint="Convert a Hugging Face model folder, or write the mapping by "
-                              "hand and use `aoa convert MAPPING.aoa`.") from None
-    except json.JSONDecodeError as error:
-        raise ModelError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: "
-                         f"{error.msg}") from None
+                              "hand and use `aoa convert MAPPING.aoa`.")
+    data = load_json(read_text(path, "config", ModelError), str(path), ModelError)
     if not isinstance(data, dict):
         raise ModelError(f"{path}: expected a JSON object")
     return Config(data, str(path))
@@ -99,11 +96,9 @@ def read_record(folder: Path) -> dict[str, Any] | None:
     path = folder / RECORD
     if not path.is_file():
         return None
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ModelError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: "
-                         f"{error.msg}") from None
+    record = load_json(read_text(path, "record", ModelError), str(path), ModelError)
+    if not isinstance(record, dict):
+        raise ModelError(f"{path}: expected a JSON object")
     for name in ("family", "target", "mesh", "mapping", "source_dtypes"):
         if name not in record:
             raise ModelError(f"{path}: the record lacks '{name}'")
@@ -459,7 +454,4 @@ def _dequantized_record(cfg: Config, family, mapping: ModelMapping, text: str,
 
 
 def _read_text(path: str | Path) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as error:
-        raise UsageError(f"cannot read mapping {path}: {error.strerror}") from None
+    return read_text(path, "mapping")

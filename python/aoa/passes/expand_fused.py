@@ -15,6 +15,7 @@ and pieces of unequal size are caught where they are joined (propagate_shapes.py
 from __future__ import annotations
 
 import functools
+import itertools
 from math import lcm
 
 from aoa.errors import MacroError
@@ -27,9 +28,6 @@ from aoa.source import Span
 
 NAME = "expand_fused"
 TRANSPOSE_SUFFIX = "_transpose_tmp"
-FUSED_MACROS = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv", "fused_in_proj"})
-#: The macros that lay pieces out per shard: the pieces they join must be of one size.
-PER_SHARD_MACROS = frozenset({"fused_ffn", "fused_qkv_old"})
 
 _ALLOWED = {
     "fused_ffn": {"fused_ffn", "axis"},
@@ -53,9 +51,10 @@ class FreshNames:
 
     A macro's pieces live under a prefix that no such name starts with (`fused_ffn_tmp.`,
     else `fused_ffn_tmp_1.`, ...); a transposed view is `X_transpose_tmp` unless that is
-    taken (then `X_transpose_tmp_1`, ...). Pieces end in digits and views in `_tmp` or a
-    number after it, so the families cannot meet either. Names are reused from statement
-    to statement: each statement's pieces are joined before the next statement runs."""
+    taken (then `X_transpose_tmp_1`, ...). A piece is its prefix, a letter or two and a
+    number; a view ends in `_transpose_tmp` or a number after it: the two never meet.
+    Names are reused from statement to statement: each statement's pieces are joined
+    before the next statement runs."""
 
     def __init__(self, program: Program, ctx: CompileContext) -> None:
         self._program = program
@@ -64,19 +63,31 @@ class FreshNames:
         self._views: dict[str, str] = {}
 
     @functools.cached_property
-    def taken(self) -> frozenset[str]:
-        """Every name the program writes or reads, and every key of both checkpoints."""
-        ctx = self._ctx
-        names = {n.base for s in self._program.statements for n in (*s.left, *s.right)}
-        names.update(ctx.source, ctx.source_keys, ctx.destination or (), ctx.destination_keys)
-        return frozenset(names)
+    def _program_names(self) -> frozenset[str]:
+        """The names the program reads and writes. Instances set aside by share_instances
+        bind no name (their outputs are their kept one's), so they need not be asked."""
+        return frozenset([n.base for s in self._program.statements for n in (*s.left, *s.right)])
+
+    @functools.cached_property
+    def _names_in_use_text(self) -> str:
+        """The program's names and the model-state keys of both checkpoints (an optimizer
+        state's key is its parameter's and a suffix no piece or view name ends in), each
+        after a newline: a prefix is then looked for at C speed (a big model has a hundred
+        thousand keys). A key holding a newline can only make a prefix look taken."""
+        names = itertools.chain(self._program_names, self._ctx.source_keys,
+                                self._ctx.destination_keys)
+        return "\n" + "\n".join(names)
+
+    def _in_use(self, name: str) -> bool:
+        return (name in self._program_names or name in self._ctx.source_keys
+                or name in self._ctx.destination_keys)
 
     def prefix(self, stem: str) -> str:
-        """`stem.` or `stem_N.`: a prefix no taken name starts with."""
+        """`stem.` or `stem_N.`: a prefix no name in use starts with."""
         prefix = self._prefixes.get(stem)
         if prefix is None:
             prefix, number = f"{stem}.", 0
-            while any(name.startswith(prefix) for name in self.taken):
+            while f"\n{prefix}" in self._names_in_use_text:
                 number += 1
                 prefix = f"{stem}_{number}."
             self._prefixes[stem] = prefix
@@ -87,7 +98,7 @@ class FreshNames:
         name = self._views.get(base)
         if name is None:
             name, number = base + TRANSPOSE_SUFFIX, 0
-            while name in self.taken:
+            while self._in_use(name):
                 number += 1
                 name = f"{base}{TRANSPOSE_SUFFIX}_{number}"
             self._views[base] = name

@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, NamedTuple
 from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS, is_exact_widening
 from aoa.errors import PlanError, ValidationError
-from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
+from aoa.layout import (
+    BETA_POW_SUFFIXES,
+    ShardDesc,
+    distinct_boxes,
+    elements,
+    overlapping_pair,
+    split_optimizer_suffix,
+)
 from aoa.passes.context import CompileContext
 from aoa.plan import CopyTable, KeyedCopy, Plan
 from aoa.printer import shard_region
@@ -65,13 +72,14 @@ class _ShardRead(NamedTuple):
 
 def _distinct_positions(key: str, shards: Sequence[ShardDesc]) -> list[int] | None:
     """Which listed shards are distinct (replicas once; None: all), checked to tile the
-    global shape exactly once."""
-    first = {shards[i].global_offset: i for i in reversed(range(len(shards)))}
-    positions = list(first.values())
-    positions.reverse()
-    shape = shards[positions[0]].global_shape
-    if sum(prod(shards[i].local_shape) for i in positions) != prod(shape) or any(
-            shards[i].global_shape != shape for i in positions):
+    global shape exactly once: as many elements as the shape holds, and no two sharing one
+    (the box arithmetic of `aoa.layout`, as storage checks stored chunks)."""
+    positions = distinct_boxes(shards)
+    distinct = [shards[i] for i in positions]
+    shape = distinct[0].global_shape
+    if elements(distinct) != prod(shape) or any(
+            shard.global_shape != shape for shard in distinct) or (
+            len(distinct) > 1 and overlapping_pair([s for s in distinct if s.numel])):
         raise PlanError(f"the shards of source key '{key}' do not tile its global shape "
                         f"{list(shape)} exactly once",
                         hint="List every shard of the tensor once, with its global offset.")
