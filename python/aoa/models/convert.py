@@ -3,7 +3,8 @@ the layout from the model library, the conversion from `aoa.jobs.convert`.
 
 Three directions, told apart by the source folder and ``--to``:
 
-* a Hugging Face folder `--to paddleformers`: forward, at the degrees asked for;
+* a Hugging Face folder `--to paddleformers` or `--to megatron`: forward, at the degrees
+  asked for;
 * a folder this job wrote `--to hf`: back to Hugging Face, from its record alone;
 * a folder this job wrote `--to` its own target: laid out again at other degrees (fused
   layouts that depend on the degree are re-interleaved, never copied as they lie).
@@ -11,8 +12,14 @@ Three directions, told apart by the source folder and ``--to``:
 Before a byte moves, the source must hold exactly the tensors its family has for this config
 (a missing key, an unknown key or a shape the config does not give is an error), and the
 output folder must be new or empty. The output holds the checkpoint, the config, tokenizer
-and generation files, and ``aoa-conversion.json``: family, target, mesh, dtype, the exact
-mapping text and aoa's version.
+and generation files, and ``aoa-conversion.json``: family, target, mesh, dtype, the target's
+options, the exact mapping text and aoa's version.
+
+A target's own format (`megatron`: ``torch_dist``, its default) stores the keys as the
+target's framework does (Megatron: stacked layers and experts, `aoa.storage.stacked`) with
+the sharded objects it expects beside them (``_extra_state``); the record keeps the stacking,
+and a folder read back is seen through it, one key per layer and expert. In any other format
+the keys are the mapping's own.
 """
 
 from __future__ import annotations
@@ -49,9 +56,14 @@ from aoa.models.fp8 import (
 )
 from aoa.models.mapping import ModelMapping, build, template_dtypes, templates_of
 from aoa.storage.formats import Source, open_source
+from aoa.storage.stacked import Stacking, UnstackedSource
+from aoa.storage.torch_dist import sharded_object
 
 RECORD = "aoa-conversion.json"
 HF = "hf"
+#: Each target's own checkpoint format: its default, and the one its stacking and sharded
+#: objects are for.
+OWN_FORMATS = {"megatron": "torch_dist"}
 #: Files beside the weights that a model folder needs, copied as they are.
 _SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -115,10 +127,11 @@ def check_output(output: Path) -> None:
 
 def plan_job(source: str | Path, checkpoint: Source, *, target: str,
              mesh: Mesh | None = None, dtype: str | None = None,
-             mapping_file: str | Path | None = None, output_format: str | None = None
-             ) -> Job:
+             mapping_file: str | Path | None = None, output_format: str | None = None,
+             options: Mapping[str, str | None] | None = None) -> Job:
     """Decide the direction, check the source against its family, make the text and the
-    layout, and prepare the conversion (nothing is written)."""
+    layout, and prepare the conversion (nothing is written). ``options``: the target's own
+    (`megatron`: transformer_impl, experts)."""
     source = Path(source)
     if target not in (*TARGETS, HF):
         raise UsageError(f"--to {target}: choose one of {', '.join((*TARGETS, HF))}")
@@ -130,18 +143,27 @@ def plan_job(source: str | Path, checkpoint: Source, *, target: str,
             raise UsageError(f"{source}: not a folder aoa converted (no {RECORD}); it is "
                              "already in Hugging Face layout")
         return _forward(cfg, family, checkpoint, target, mesh or Mesh(), dtype, mapping_file,
-                        output_format)
+                        output_format, options or {})
     if record["family"] != family.name:
         raise ModelError(f"{source / RECORD}: records family '{record['family']}', but "
                          f"config.json is of family '{family.name}'")
+    given = {name: value for name, value in (options or {}).items() if value is not None}
+    checkpoint = _unstacked(checkpoint, record)
     if target == HF:
-        if mesh is not None or dtype is not None or mapping_file is not None:
+        if mesh is not None or dtype is not None or mapping_file is not None or given:
             raise UsageError("--to hf takes everything from the record; give no --tp, --ep, "
-                             "--pp, --dtype or --mapping")
+                             "--pp, --dtype, --mapping or target options")
         return _inverse(cfg, family, checkpoint, record, output_format)
     if target != record["target"]:
         raise UsageError(f"{source} holds the {record['target']} layout; convert it --to hf "
                          f"first, then --to {target}")
+    recorded = record.get("options", {})
+    changed = sorted(name for name, value in given.items() if recorded.get(name) != value)
+    if changed:
+        raise UsageError(f"{source} was written with "
+                         + ", ".join(f"--{n.replace('_', '-')} {recorded.get(n)}"
+                                     for n in changed)
+                         + f"; convert it --to hf first, then --to {target} with other options")
     return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype, output_format)
 
 
@@ -194,8 +216,8 @@ def copy_side_files(source: Path, output: Path) -> None:
 
 
 def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
-             dtype: str | None, mapping_file: str | Path | None, output_format: str | None
-             ) -> Job:
+             dtype: str | None, mapping_file: str | Path | None, output_format: str | None,
+             options: Mapping[str, str | None]) -> Job:
     info = checkpoint.shards
     expected = family.tensors(cfg.with_checkpoint(frozenset(info)))
     expected.update(scale_tensors(info, expected, cfg))
@@ -204,7 +226,7 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
              "of those layers; converted without them" for group in sorted(absent)]
     cfg = cfg.with_checkpoint(frozenset(info), sorted(absent))
     key_dtypes = {key: shards[0].dtype or "float32" for key, shards in info.items()}
-    probe = build(family, cfg, target, mesh, dtype=dtype)
+    probe = build(family, cfg, target, mesh, dtype=dtype, options=options)
     reads = sorted({read for step in probe.steps for read in step.reads})
     source_dtypes = template_dtypes(reads, key_dtypes)
     fp8 = stored_fp8(cfg, source_dtypes)
@@ -214,7 +236,7 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
                          hint="Convert without --mapping: --dtype bfloat16 dequantizes, "
                               "no --dtype keeps fp8 with the scales beside the weights.")
     mapping = build(family, cfg, target, mesh, dtype=dtype, source_dtypes=source_dtypes,
-                    fp8=fp8)
+                    fp8=fp8, options=options)
     if fp8 is not None:  # the scales' templates too
         reads = sorted({read for step in mapping.steps for read in step.reads})
         source_dtypes = template_dtypes(reads, key_dtypes)
@@ -226,17 +248,44 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
     if fp8 is not None and mapping.dequantizes:
         quantized = {key: Quantized(key + SUFFIX, fp8.block) for key, shards in info.items()
                      if shards[0].dtype in FP8 and key + SUFFIX in info}
+    output_format = output_format or OWN_FORMATS.get(target)
+    own = output_format is not None and output_format == OWN_FORMATS.get(target)
     conversion = prepare(MappingText(text, False, origin if mapping_file else
                                      "<aoa.models mapping>"),
                          checkpoint, layout=mapping.layout, output_format=output_format,
-                         quantized=quantized)
+                         quantized=quantized, **_stored_as(mapping, own))
     _check_fp8_scales(conversion, mapping)
     if mapping.dequantizes:
-        record = _dequantized_record(cfg, family, mapping, text, source_dtypes)
+        record = _dequantized_record(cfg, family, mapping, text, source_dtypes, own)
     else:
-        record = _record(mapping, text, origin, source_dtypes)
+        record = _record(mapping, text, origin, source_dtypes, own)
     record["absent_groups"] = sorted(absent)
     return Job("forward", mapping, text, origin, mapping.layout, conversion, record, notes)
+
+
+def _stored_as(mapping: ModelMapping, own: bool, carried: Mapping[str, bytes] | None = None
+               ) -> dict[str, Any]:
+    """How a target's files store its keys: in its own format stacked and with its sharded
+    objects (those a source of that format holds, the others empty); else as they are."""
+    if not own:
+        return {"stacking": (), "objects": {}}
+    empty = sharded_object()
+    objects = {key: empty for key in mapping.objects}
+    objects.update(carried or {})
+    return {"stacking": mapping.stacking, "objects": objects}
+
+
+def _unstacked(checkpoint: Source, record: Mapping[str, Any]) -> Source:
+    """A folder written in its target's own format, seen one key per layer and expert."""
+    rules = record.get("stacking") or []
+    if not rules:
+        return checkpoint
+    try:
+        stacking = [Stacking.from_json(rule) for rule in rules]
+    except (TypeError, ValueError) as error:
+        raise ModelError(f"{checkpoint.path / RECORD}: its stacking is not valid: "
+                         f"{error}") from None
+    return UnstackedSource(checkpoint, stacking)
 
 
 def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
@@ -244,7 +293,8 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     mapping = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"),
-                    fp8=Fp8Weights.from_json(record.get("fp8")))
+                    fp8=Fp8Weights.from_json(record.get("fp8")),
+                    options=record.get("options"))
     _check_target(info, mapping, record, cfg)
     stored = _stored_dtypes(mapping, info)
     if record.get("mapping_origin", "aoa.models") == "aoa.models":
@@ -258,6 +308,7 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
                mapping=text, mapping_origin="aoa.models inverse" if not reverse else
                f"{record.get('mapping_origin')} (reversed)", layout=None)
     out["mesh"] = Mesh().to_json()
+    out.pop("stacking", None)
     return Job("inverse", mapping, text, out["mapping_origin"], None, conversion, out)
 
 
@@ -265,30 +316,34 @@ def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
              dtype: str | None, output_format: str | None) -> Job:
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
+    options = record.get("options")
     fp8 = Fp8Weights.from_json(record.get("fp8"))
     before = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"),
-                   fp8=fp8)
+                   fp8=fp8, options=options)
     _check_target(info, before, record, cfg)
     if record.get("mapping_origin", "aoa.models") != "aoa.models":
         raise ModelError("this folder was written with an edited mapping; convert it --to hf "
                          "and then forward again with --mapping")
     mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"),
-                    source_dtypes=record["source_dtypes"], fp8=fp8)
+                    source_dtypes=record["source_dtypes"], fp8=fp8, options=options)
     text = mapping.reshard(_stored_dtypes(mapping, info))
     _check_fp8_layout(mapping, {key: spec.shape for key, spec in mapping.source_tensors.items()})
     quantized = None
     if mapping.dequantizes:  # the folder kept fp8: its target keys hold the scales
         blocks = before.target_blocks()
         quantized = quantized_keys(info, templates_of(list(info), list(blocks)), blocks)
+    output_format = output_format or OWN_FORMATS.get(mapping.target)
+    own = output_format is not None and output_format == OWN_FORMATS.get(mapping.target)
+    carried = checkpoint.objects() if checkpoint.format == output_format else {}
     conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
                          layout=mapping.layout, output_format=output_format,
-                         quantized=quantized)
+                         quantized=quantized, **_stored_as(mapping, own, carried))
     _check_fp8_scales(conversion, mapping)
     # The record names the mapping from Hugging Face to what the folder now holds.
     if mapping.dequantizes:
-        out = _dequantized_record(cfg, family, mapping, text, record["source_dtypes"])
+        out = _dequantized_record(cfg, family, mapping, text, record["source_dtypes"], own)
     else:
-        out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"])
+        out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"], own)
     out["absent_groups"] = record.get("absent_groups", [])
     out["resharded_with"] = text
     return Job("reshard", mapping, text, "aoa.models reshard", mapping.layout, conversion,
@@ -421,19 +476,27 @@ def _mesh(record: dict) -> Mesh:
     return Mesh(tp=mesh.get("tp", 1), ep=mesh.get("ep", 1), pp=mesh.get("pp", 1))
 
 
-def _record(mapping: ModelMapping, text: str, origin: str, source_dtypes: Mapping[str, str]
-            ) -> dict[str, Any]:
-    return {"aoa_version": aoa_version(), "family": mapping.name,
-            "model_type": mapping.model_type, "target": mapping.target,
-            "mesh": mapping.mesh.to_json(), "dtype": mapping.dtype, "mapping": text,
-            "mapping_origin": origin, "layout": layout_text(mapping.layout),
-            "source_dtypes": dict(sorted(source_dtypes.items())),
-            **({"fp8": mapping.fp8.to_json()} if mapping.fp8 and not mapping.dequantizes
-               else {})}
+def _record(mapping: ModelMapping, text: str, origin: str, source_dtypes: Mapping[str, str],
+            own: bool = False) -> dict[str, Any]:
+    """What the output holds; ``own``: written in the target's own format (its stacking)."""
+    record: dict[str, Any] = {"aoa_version": aoa_version(), "family": mapping.name,
+                              "model_type": mapping.model_type, "target": mapping.target,
+                              "mesh": mapping.mesh.to_json(), "dtype": mapping.dtype,
+                              "mapping": text, "mapping_origin": origin,
+                              "layout": layout_text(mapping.layout),
+                              "source_dtypes": dict(sorted(source_dtypes.items()))}
+    if mapping.fp8 and not mapping.dequantizes:
+        record["fp8"] = mapping.fp8.to_json()
+    if mapping.options:
+        record["options"] = dict(mapping.options)
+    if own and mapping.stacking:
+        record["stacking"] = [rule.to_json() for rule in mapping.stacking]
+    return record
 
 
 def _dequantized_record(cfg: Config, family, mapping: ModelMapping, text: str,
-                        source_dtypes: Mapping[str, str]) -> dict[str, Any]:
+                        source_dtypes: Mapping[str, str], own: bool = False
+                        ) -> dict[str, Any]:
     """The record of a folder whose fp8 weights were dequantized: it holds a plain model,
     so the record names the mapping from the dequantized Hugging Face model (the one `--to
     hf` gives back), and says what was done."""
@@ -444,8 +507,8 @@ def _dequantized_record(cfg: Config, family, mapping: ModelMapping, text: str,
                     if not template.endswith(SUFFIX)}
     plain = Config(without_quantization(cfg.data), cfg.path, cfg.present)
     described = build(family, plain, mapping.target, mapping.mesh, dtype=mapping.dtype,
-                      source_dtypes=plain_dtypes)
-    record = _record(described, described.forward, "aoa.models", plain_dtypes)
+                      source_dtypes=plain_dtypes, options=mapping.options)
+    record = _record(described, described.forward, "aoa.models", plain_dtypes, own)
     record["dequantized"] = {"from": sorted({source_dtypes[t] for t in fp8.templates
                                              if t in source_dtypes}),
                              "block": list(fp8.block), "scales": f"*{SUFFIX}",

@@ -155,7 +155,8 @@ def with_scales(mapping: TargetMapping, fp8: Fp8Weights, *, dequantize: bool
             f"scale per block of {size}" if dequantize else
             f"fp8 weights kept, each <weight>{SUFFIX} (one scale per block of {size}) "
             "beside its weight, transposed and split with it")
-    return TargetMapping(steps, splits, [*mapping.notes, note])
+    return dataclasses.replace(mapping, steps=steps, splits=splits,
+                               notes=[*mapping.notes, note])
 
 
 def twin(step: Step) -> Step:
