@@ -108,11 +108,19 @@ class PlanExecutor:
                 np.frombuffer(piece.buffer, np.uint8).fill(0)  # type: ignore[call-overload]
             planned += [(slot, c, base) for c in copies]
         if planned:
-            used = sorted({c.source for _, c, _ in planned})
+            scale_of = {c: scale for _, c, _ in planned
+                        if (scale := plan.scale_of(c)) is not None}
+            used = sorted({c.source for _, c, _ in planned}
+                          | {scale.scale for scale in scale_of.values()})
             source_slot = {index: k for k, index in enumerate(used)}
             sources = [self._source(index) for index in used]
-            copies_run = [lower(c, plan.sources[c.source], plan.destinations[c.destination],
-                                source_slot[c.source], slot, base) for slot, c, base in planned]
+            copies_run = []
+            for slot, c, base in planned:
+                scale = scale_of.get(c)
+                scales = None if scale is None else (plan.sources[scale.scale],
+                                                     source_slot[scale.scale], scale.block)
+                copies_run.append(lower(c, plan.sources[c.source], plan.destinations[c.destination],
+                                        source_slot[c.source], slot, scales, base))
             try:
                 _run(self.backend, copies_run, sources, [piece.buffer for piece in pieces],
                      self.threads)
