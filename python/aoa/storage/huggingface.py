@@ -13,13 +13,9 @@ from collections.abc import Sequence
 
 from aoa.errors import StorageError, UsageError
 from aoa.layout import ShardDesc
-from aoa.storage.formats import Destination, FileLayout, Format, OutputFile
+from aoa.storage.formats import DEFAULT_MAX_FILE_BYTES, Destination, FileLayout, Format, OutputFile
 from aoa.storage.safetensors import file_layout
 from aoa.storage.safetensors_folder import INDEX_NAME, SINGLE_NAME, claims, open_folder
-
-#: Tensor bytes per file before another file begins (headers not counted, as in Hugging
-#: Face's own sharding); a larger tensor gets a file of its own.
-DEFAULT_MAX_FILE_BYTES = 5 * 10**9
 
 
 class HuggingFaceDestination(Destination):
