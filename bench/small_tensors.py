@@ -1,0 +1,115 @@
+"""Many small tensors: `aoa convert` of the 61-layer, 256-expert MoE of compile_scale.py
+(31,540 source tensors in 63,018 shards, 125,486 destination shards, bfloat16, 192 MB) as a
+checkpoint on disk, against its compile + plan time, side by side in one run.
+
+The source is written as a TP2 ``dcp-safetensors`` checkpoint (two rank files with
+DCP_SHARDING_INFO, random bytes); the destination is compile_scale.py's TP4 shard list,
+given as ``--destination`` JSON. Each repeat times, one after another:
+
+  compile   ``aoa.compile(statements, source shards, destination shards)`` in this process
+  convert   prepare + execute in this process (open the source, compile, plan, write, fsync)
+  command   ``aoa convert`` as a user runs it: a fresh process, start to exit
+
+and the goal is convert <= 2x compile (no per-tensor work beyond planning). The command
+adds Python's start-up and imports.
+
+Usage: python bench/small_tensors.py [--layers 61] [--experts 256] [--repeats 3] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_scale import build_model
+
+import aoa
+from aoa.jobs.convert import execute, prepare
+from aoa.layout import ShardDesc
+from aoa.storage import open_source
+from aoa.storage.safetensors import write_safetensors
+
+
+def make_source(folder: Path, layout: dict[str, list[tuple]]) -> None:
+    """One rank file per source shard position, random bytes, DCP_SHARDING_INFO."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ranks = max(len(shards) for shards in layout.values())
+    rng = np.random.default_rng(0)
+    for rank in range(ranks):  # a tensor in one shard (a norm) is in rank 0's file
+        shards = [ShardDesc(*found[rank]) for found in layout.values() if rank < len(found)]
+        info = {s.key: {"saved_offsets": list(s.global_offset)} for s in shards}
+
+        def fill(views: dict[str, memoryview]) -> None:
+            for view in views.values():
+                view[:] = rng.integers(0, 256, len(view), dtype=np.uint8).tobytes()
+
+        write_safetensors(folder / f"rank-{rank:05d}-of-{ranks:05d}.safetensors", shards,
+                          {"DCP_SHARDING_INFO": json.dumps(info), "DCP_VERSION": "1.0"}, fill)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", help="folder for the files (default: a temporary one)")
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="aoa-bench-small-"))
+    model = build_model(args.layers, args.experts)
+    source = work / f"src-{args.layers}x{args.experts}"
+    if not source.exists():
+        make_source(source, model.source)
+    (work / "map.aoa").write_text("\n".join(model.statements) + "\n")
+    (work / "destination.json").write_text(json.dumps(
+        {key: [ShardDesc(*s).to_json() for s in shards]
+         for key, shards in model.destination.items()}))
+    source_shards = {k: [ShardDesc(*s) for s in v] for k, v in model.source.items()}
+    destination_shards = {k: [ShardDesc(*s) for s in v] for k, v in model.destination.items()}
+    statements = (work / "map.aoa").read_text()
+    command = [sys.executable, "-m", "aoa.cli", "convert", str(work / "map.aoa"), "--source",
+               str(source), "--destination", str(work / "destination.json"), "--output",
+               str(work / "out-command"), "--quiet"]
+    rows = []
+    nbytes = 0
+    for repeat in range(args.repeats):
+        start = time.perf_counter()
+        aoa.compile(statements, source_shards, destination_shards)
+        compiled = time.perf_counter() - start
+        shutil.rmtree(work / "out", ignore_errors=True)
+        start = time.perf_counter()
+        with open_source(source) as checkpoint:
+            conversion = prepare(statements, checkpoint, destination=destination_shards)
+            execute(conversion, work / "out")
+        converted = time.perf_counter() - start
+        nbytes = conversion.nbytes
+        shutil.rmtree(work / "out-command", ignore_errors=True)
+        start = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        commanded = time.perf_counter() - start
+        rows.append((compiled, converted, commanded))
+        print(f"repeat {repeat + 1}: compile {compiled:.3f} s, convert {converted:.3f} s, "
+              f"command {commanded:.3f} s", file=sys.stderr)
+    shards = sum(len(v) for v in model.destination.values())
+    print(f"{args.layers}x{args.experts}: {len(model.source):,} source tensors, "
+          f"{model.source_shards:,} source shards, {shards:,} destination shards, "
+          f"{nbytes / 1e6:.0f} MB written")
+    print(f"{'repeat':>6s}{'compile s':>11s}{'convert s':>11s}{'ratio':>7s}{'command s':>11s}"
+          f"{'ratio':>7s}")
+    for repeat, (compiled, converted, commanded) in enumerate(rows, start=1):
+        print(f"{repeat:6d}{compiled:11.3f}{converted:11.3f}{converted / compiled:7.2f}"
+              f"{commanded:11.3f}{commanded / compiled:7.2f}")
+    if not args.work:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
