@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from aoa.dtypes import NUMPY_DTYPES, itemsize
+from aoa.dtypes import ITEMSIZES, itemsize
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
 from aoa.storage import numpy_pickle, pickler, unpickler
@@ -125,7 +125,7 @@ def _local_tensor(key: str, value: Any, where: Path) -> LocalTensor:
     offset = unpickler.int_tuple(fields.get("global_offset"), where, f"{what}: global_offset",
                                  size=len(local_shape))
     dtype = unpickler.string(fields.get("dtype"), where, f"{what}: dtype")
-    if dtype not in NUMPY_DTYPES:
+    if dtype not in ITEMSIZES:
         raise StorageError(f"{where}: {what} has dtype '{dtype}', which aoa does not read")
     global_shape = fields.get("global_shape")
     if global_shape is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from aoa.dtypes import NUMPY_DTYPES, itemsize
+from aoa.dtypes import ITEMSIZES, itemsize
 from aoa.errors import StorageError
 from aoa.storage import pickler, unpickler
 from aoa.storage.mapped import MappedFile, Stored
@@ -37,7 +37,7 @@ STORAGE_CLASSES = {
 }
 _STORAGE_DTYPES = {name: dtype for dtype, name in STORAGE_CLASSES.items()}
 #: torch dtype names that aoa reads (``torch.<name>``), by their Paddle names.
-TORCH_DTYPES = {dtype: dtype for dtype in NUMPY_DTYPES}
+TORCH_DTYPES = {dtype: dtype for dtype in ITEMSIZES}
 _REBUILD = "torch._utils._rebuild_tensor_v2"
 _REBUILD_V3 = "torch._utils._rebuild_tensor_v3"
 _PARAMETER = "torch._utils._rebuild_parameter"
