@@ -133,6 +133,14 @@ def analyze(statements: str | Sequence[str], source: Mapping, destination: Mappi
     stop after propagate_shapes (nothing planned until asked); they start with parse."""
     with _collector_paused():
         ctx = new_context(source, destination, reverse)
+        return analyze_in(ctx, statements, file=file, passes=passes, after_pass=after_pass)
+
+
+def analyze_in(ctx: CompileContext, statements: str | Sequence[str], *, file: str | None = None,
+               passes: Sequence[Pass] = PIPELINE, after_pass: AfterPass | None = None
+               ) -> Compilation:
+    """`analyze` in a context made already (`new_context`)."""
+    with _collector_paused():
         result = run_passes(texts(statements, file=file), ctx, passes, after_pass)
     if isinstance(result, PlannedProgram):
         return Compilation(ctx, result.tensors, result.plan)
