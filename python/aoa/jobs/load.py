@@ -18,11 +18,10 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from math import prod
 
 from aoa.errors import AoaError, UsageError, ValidationError
 from aoa.jobs.job import Job, ShardInfo, outputs, plan_job
-from aoa.layout import ShardDesc, distinct_boxes, elements, split_optimizer_suffix
+from aoa.layout import ShardDesc, distinct_boxes, split_optimizer_suffix, tiling_fault
 from aoa.mapping import MappingText, as_mapping
 from aoa.plan import Plan
 from aoa.runtime.buffers import Adapted, DeviceBuffer, HostBuffer, adapt
@@ -192,18 +191,28 @@ def _merge(ranks: Sequence[Sequence[ShardDesc]]
 
 
 def _check_coverage(destination: Mapping[str, Sequence[ShardDesc]], ranks: bool) -> None:
-    """The buffers of each key, together, cover its global tensor: the destination layout
-    is all of them, and its shard counts decide fused layouts (fused_qkv, fused_ffn)."""
+    """The buffers of each key, together, tile its global tensor (a replica counts once):
+    the destination layout is all of them, and its shard counts decide fused layouts
+    (fused_qkv, fused_ffn)."""
+    where = "all ranks' buffers" if ranks else "the buffers"
     for key, shards in destination.items():
-        covered = elements([shards[i] for i in distinct_boxes(shards)])  # replicas once
-        total = prod(shards[0].global_shape)
-        if covered < total:
-            where = "all ranks' buffers" if ranks else "the buffers"
+        distinct = [shards[i] for i in distinct_boxes(shards)]
+        shape = shards[0].global_shape
+        fault = tiling_fault(shape, distinct)
+        if fault is None:
+            continue
+        if fault.overlap is not None:
+            one, other = (distinct[i] for i in fault.overlap)
             raise ValidationError(
-                f"{where} for '{key}' cover {covered} of the {total} elements of its global "
-                f"shape {list(shards[0].global_shape)}",
-                hint="Give the whole destination layout with destination= (every rank's "
-                     "shards), or load under torch.distributed, where all ranks' shards count.")
+                f"{where} for '{key}' overlap: the shard at {list(one.global_offset)} and the "
+                f"one at {list(other.global_offset)} share elements of its global shape "
+                f"{list(shape)}",
+                hint="Give each box of the tensor one buffer (replicas: the very same box).")
+        raise ValidationError(
+            f"{where} for '{key}' cover {fault.covered} of the {fault.total} elements of its "
+            f"global shape {list(shape)}",
+            hint="Give the whole destination layout with destination= (every rank's "
+                 "shards), or load under torch.distributed, where all ranks' shards count.")
 
 
 def _find_own(destination: Mapping[str, Sequence[ShardDesc]], local: Sequence[ShardDesc]

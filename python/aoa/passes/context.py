@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from aoa.layout import ShardDesc, model_state_keys
+from aoa.layout import ShardDesc, check_tiling, model_state_keys
 from aoa.source import Span
 
 
@@ -63,6 +63,11 @@ class CompileContext:
         self.shardings = Shardings()
         self.source_shardings = self.shardings.of_keys(self.source)
         self.destination_shardings = self.shardings.of_keys(self.destination)
+        checked: set[int] = set()
+        for key, number in self.source_shardings.items():
+            if number not in checked:  # keys sharded alike are checked once
+                checked.add(number)
+                check_tiling(key, self.source[key])
 
     def note(self, message: str, span: Span | None = None) -> None:
         self.notes.append(Note(message, span))

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS, is_exact_widening
-from aoa.errors import PlanError, ValidationError
-from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
+from aoa.errors import ValidationError
+from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, distinct_boxes, split_optimizer_suffix
 from aoa.passes.context import CompileContext
 from aoa.plan import CopyTable, KeyedCopy, Plan
 from aoa.printer import shard_region
@@ -63,18 +63,10 @@ class _ShardRead(NamedTuple):
     source_start: Box  # local to the shard
 
 
-def _distinct_positions(key: str, shards: Sequence[ShardDesc]) -> list[int] | None:
-    """Which listed shards are distinct (replicas once; None: all), checked to tile the
-    global shape exactly once."""
-    first = {shards[i].global_offset: i for i in reversed(range(len(shards)))}
-    positions = list(first.values())
-    positions.reverse()
-    shape = shards[positions[0]].global_shape
-    if sum(prod(shards[i].local_shape) for i in positions) != prod(shape) or any(
-            shards[i].global_shape != shape for i in positions):
-        raise PlanError(f"the shards of source key '{key}' do not tile its global shape "
-                        f"{list(shape)} exactly once",
-                        hint="List every shard of the tensor once, with its global offset.")
+def _distinct_positions(shards: Sequence[ShardDesc]) -> list[int] | None:
+    """Which listed shards are distinct (replicas once; None: all). The context checked,
+    as the shards came in, that these tile the global shape exactly."""
+    positions = distinct_boxes(shards)
     return None if len(positions) == len(shards) else positions
 
 
@@ -165,7 +157,7 @@ class Planner:
     by values only (what is remembered is right for whatever asks with an equal key):
 
     - ``_distinct``: sharding number of a source key -> positions of its distinct shards
-      (None: all), checked once to tile the tensor;
+      (None: all);
     - ``_source_shards``: source key -> its distinct shards;
     - ``_reads_memo``: (source box of an entry, its axis order, sharding number of the
       source key) -> the reads of that box from the key's distinct shards;
@@ -305,7 +297,7 @@ class Planner:
 
     # -- source shards -------------------------------------------------------------------
     def source_shards(self, key: str) -> list[ShardDesc]:
-        """The distinct shards of a source key (replicas once), checked to tile it."""
+        """The distinct shards of a source key (replicas once)."""
         shards = self._source_shards.get(key)
         if shards is not None:
             return shards
@@ -314,7 +306,7 @@ class Planner:
         if sharding in self._distinct:
             positions = self._distinct[sharding]
         else:
-            positions = self._distinct[sharding] = _distinct_positions(key, listed)
+            positions = self._distinct[sharding] = _distinct_positions(listed)
         distinct = listed if positions is None else [listed[i] for i in positions]
         self._source_shards[key] = distinct
         return distinct
