@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aoa.errors import AoaError, UsageError
-from aoa.mapping import read_mapping, read_shard_info, read_source_shards
+from aoa.mapping import MappingText, read_mapping, read_shard_info, read_source
 from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
 from aoa.passes.context import CompileContext
 from aoa.passes.parse import texts
-from aoa.pipeline import Compilation, analyze, new_context, run_passes
+from aoa.pipeline import Compilation, compile_in, new_context, run_passes
 from aoa.printer import Printer
 from aoa.storage.formats import FORMAT_NAMES
 from aoa.storage.huggingface import DEFAULT_MAX_FILE_BYTES
@@ -22,11 +22,29 @@ from aoa.storage.huggingface import DEFAULT_MAX_FILE_BYTES
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
 
+def _program(args) -> tuple[MappingText, CompileContext]:
+    """The mapping and the context of `compile`, `explain` and `check`, as `convert` would
+    compile them: the source's shards and record, the destination's shards (listed, or
+    derived through a mesh layout), strict unless --lenient."""
+    from aoa.jobs.convert import ShardInfo, destination_shards
+    from aoa.mesh_layout import read_mesh_layout
+
+    mapping = read_mapping(args.mapping)
+    mapping = mapping._replace(reverse=mapping.reverse or args.reverse)
+    strict = not args.lenient
+    source, fused = read_source(args.source, args.source_format)
+    destination: ShardInfo | None = read_shard_info(args.destination, "destination")
+    if args.layout is not None:
+        destination, _ = destination_shards(mapping, source,
+                                            layout=read_mesh_layout(args.layout),
+                                            destination=destination, strict=strict)
+    return mapping, new_context(source, destination, mapping.reverse, strict=strict,
+                                fused=fused)
+
+
 def _compilation(args, passes: Sequence[Pass] = PIPELINE) -> Compilation:
-    statements, reverse, file = read_mapping(args.mapping)
-    return analyze(statements, read_source_shards(args.source, args.source_format),
-                   read_shard_info(args.destination, "destination"),
-                   reverse=reverse or args.reverse, file=file, passes=passes)
+    mapping, ctx = _program(args)
+    return compile_in(ctx, mapping.statements, file=mapping.file, passes=passes)
 
 
 def cmd_compile(args) -> int:
@@ -78,12 +96,9 @@ def _explain_passes(args) -> int:
             printer.line(f"# after {name}")
             printer.print_ir(ir)
 
-    statements, reverse, file = read_mapping(args.mapping)
-    ctx = new_context(read_source_shards(args.source, args.source_format),
-                      read_shard_info(args.destination, "destination"),
-                      reverse or args.reverse)
+    mapping, ctx = _program(args)
     try:
-        run_passes(texts(statements, file=file), ctx, passes, after)
+        run_passes(texts(mapping.statements, file=mapping.file), ctx, passes, after)
     finally:
         if args.time_passes:
             _print_times(times)
@@ -131,7 +146,8 @@ def cmd_convert(args) -> int:
     max_file_bytes = None if args.max_file_size is None else int(args.max_file_size * 1e9)
     with open_source(args.source, args.source_format) as checkpoint:
         conversion = prepare(mapping, checkpoint, layout=layout, destination=destination,
-                             output_format=args.output_format, max_file_bytes=max_file_bytes)
+                             output_format=args.output_format, max_file_bytes=max_file_bytes,
+                             strict=not args.lenient)
         for note in conversion.notes:
             print(note, file=sys.stderr)
         if args.dry_run:
@@ -190,7 +206,8 @@ def cmd_convert_model(args) -> int:
         job = model_convert.plan_job(args.source, checkpoint, target=args.to,
                                      mesh=_mesh(args), dtype=args.dtype,
                                      mapping_file=args.mapping_file,
-                                     output_format=args.output_format)
+                                     output_format=args.output_format,
+                                     strict=not args.lenient)
         if args.dry_run:
             print(job.text)
             print(job.conversion.describe())
@@ -248,10 +265,23 @@ def _add_program_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source-format", metavar="FORMAT",
                         help="the source checkpoint's format (default: detected from its "
                              "contents): " + ", ".join(FORMAT_NAMES))
-    parser.add_argument("--destination", help="destination shard info (JSON); without it "
-                                              "the outputs are derived, as in a full export")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--destination", help="destination shard info (JSON); without it "
+                                             "the outputs are derived, as in a full export")
+    where.add_argument("--layout", help="destination mesh and rules (TOML), as convert "
+                                        "takes them")
     parser.add_argument("--reverse", action="store_true",
                         help="run the program backwards (Paddle's aoa_config_reverse)")
+    _add_lenient(parser)
+
+
+def _add_lenient(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lenient", action="store_true",
+                        help="run what Paddle runs, with notes instead of errors: a statement "
+                             "that expands to nothing, a source key passed on unmentioned "
+                             "while others are renamed, a layout rule that decides nothing, a "
+                             "fused tensor (as the source's record says) re-laid without its "
+                             "macro, a fused_qkv group split between ranks")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
@@ -311,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"GB per Hugging Face file (default "
                               f"{DEFAULT_MAX_FILE_BYTES / 1e9:g})")
     convert.add_argument("--reverse", action="store_true", help="run the program backwards")
+    _add_lenient(convert)
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.add_argument("--rank", type=int, help="with --world-size: this process writes "
                          "its share of the files, rank 0 the index once all are done (under "

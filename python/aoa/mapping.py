@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from aoa.errors import UsageError, quote
 from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc, normalize_shard_info
+
+if TYPE_CHECKING:
+    from aoa.record import FusedRecord
 
 
 class MappingText(NamedTuple):
@@ -74,17 +77,19 @@ def read_shard_info(path: str | os.PathLike[str] | None, what: str
         raise UsageError(f"{path}: {error.message}", hint=error.hint) from None
 
 
-def read_source_shards(path: str | os.PathLike[str], format: str | None = None
-                       ) -> dict[str, list[ShardDesc]]:
+def read_source(path: str | os.PathLike[str], format: str | None = None
+                ) -> tuple[dict[str, list[ShardDesc]], FusedRecord | None]:
     """The source shards of `--source`: shard-info JSON, or a checkpoint of any format aoa
-    reads (a folder, a file, a Hugging Face index), opened for its shard descriptions."""
+    reads (a folder, a file, a Hugging Face index), opened for its shard descriptions; and
+    for a checkpoint, what the record beside it (a model conversion's) says is fused."""
+    from aoa.record import source_record
     from aoa.storage.formats import open_source
 
     path = Path(path)
     if format is None and path.suffix == ".json" and not path.name.endswith(".index.json") \
             and not path.is_dir():
-        return read_shard_info(path, "source") or {}
+        return read_shard_info(path, "source") or {}, None
     if not path.exists():
         raise UsageError(f"cannot read source {path}: no such file or folder")
     with open_source(path, format) as checkpoint:
-        return checkpoint.shards
+        return checkpoint.shards, source_record(checkpoint.path)

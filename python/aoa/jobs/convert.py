@@ -67,18 +67,20 @@ class Conversion:
         return "\n".join(lines)
 
 
-def destination_shards(mapping: MappingText, source: Source, *,
-                       layout: MeshLayout | None = None, destination: ShardInfo | None = None
+def destination_shards(mapping: MappingText, source: ShardInfo, *,
+                       layout: MeshLayout | None = None, destination: ShardInfo | None = None,
+                       strict: bool = True
                        ) -> tuple[ShardInfo | None, list[list[int]] | None]:
     """The destination shards by key (None: derive whole outputs) and, when there are
     ranks, each rank's shards as positions in the key-by-key listing.
 
     A mesh layout splits what the program makes (compiled once without a destination for
-    that); with a shard list, rank i holds the i-th listed shard of each key."""
+    that; ``strict``: a rule that decides no tensor is an error); with a shard list, rank i
+    holds the i-th listed shard of each key."""
     if layout is not None and destination is not None:
         raise UsageError("give a layout or a destination shard list, not both")
     if layout is not None:
-        shards = layout.shards(derived_outputs(mapping, source.shards))
+        shards = layout.shards(derived_outputs(mapping, source, strict=strict), strict=strict)
         return shards.by_key, shards.ranks
     if destination is None:
         return None, None
@@ -95,21 +97,23 @@ def destination_shards(mapping: MappingText, source: Source, *,
 
 def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
             layout: MeshLayout | None = None, destination: ShardInfo | None = None,
-            output_format: str | None = None, max_file_bytes: int | None = None
-            ) -> Conversion:
+            output_format: str | None = None, max_file_bytes: int | None = None,
+            strict: bool = True) -> Conversion:
     """Compile and plan; decide the destination shards and the files that hold them.
 
     No layout and no destination: full, unsharded tensors (``safetensors``, Hugging Face
     files, by default). A layout (mesh and rules) or a shard-info mapping: one file per rank
     (``dcp-safetensors`` by default). ``max_file_bytes``: the format's limit per file
-    (None: its default)."""
+    (None: its default). ``strict`` (default) refuses likely mistakes in the mapping and
+    the layout; False keeps Paddle's meaning (`aoa.passes.context.CompileContext`)."""
     mapping = as_mapping(mapping)
     format = format_named(output_format, "output") if output_format is not None else None
-    by_key, ranks = destination_shards(mapping, source, layout=layout, destination=destination)
+    by_key, ranks = destination_shards(mapping, source.shards, layout=layout,
+                                       destination=destination, strict=strict)
     if format is None:
         format = format_named("dcp-safetensors" if ranks is not None else "safetensors",
                               "output")
-    job = plan_job(mapping, source, by_key)
+    job = plan_job(mapping, source, by_key, strict=strict)
     assert format.destination is not None
     files = format.destination.plan_files(job.plan.destinations, ranks,
                                           max_file_bytes=max_file_bytes)

@@ -34,9 +34,9 @@ from aoa.mesh_layout import MeshLayout, layout_text
 from aoa.models import TARGETS, family_of
 from aoa.models.base import Config, Expected, Mesh, ModelError, template_pattern
 from aoa.models.mapping import ModelMapping, build, template_dtypes
+from aoa.record import RECORD, read_record
 from aoa.storage.formats import Source, open_source
 
-RECORD = "aoa-conversion.json"
 HF = "hf"
 #: Files beside the weights that a model folder needs, copied as they are.
 _SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
@@ -82,21 +82,6 @@ def read_config(folder: Path) -> Config:
     return Config(data, str(path))
 
 
-def read_record(folder: Path) -> dict[str, Any] | None:
-    path = folder / RECORD
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ModelError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: "
-                         f"{error.msg}") from None
-    for name in ("family", "target", "mesh", "mapping", "source_dtypes"):
-        if name not in record:
-            raise ModelError(f"{path}: the record lacks '{name}'")
-    return record
-
-
 def check_output(output: Path) -> None:
     """Nothing is written into a folder that holds anything."""
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -107,10 +92,11 @@ def check_output(output: Path) -> None:
 
 def plan_job(source: str | Path, checkpoint: Source, *, target: str,
              mesh: Mesh | None = None, dtype: str | None = None,
-             mapping_file: str | Path | None = None, output_format: str | None = None
-             ) -> Job:
+             mapping_file: str | Path | None = None, output_format: str | None = None,
+             strict: bool = True) -> Job:
     """Decide the direction, check the source against its family, make the text and the
-    layout, and prepare the conversion (nothing is written)."""
+    layout, and prepare the conversion (nothing is written). ``strict``: as for
+    `aoa.jobs.convert.prepare` (the library's own mappings pass it; an edited one may not)."""
     source = Path(source)
     if target not in (*TARGETS, HF):
         raise UsageError(f"--to {target}: choose one of {', '.join((*TARGETS, HF))}")
@@ -122,7 +108,7 @@ def plan_job(source: str | Path, checkpoint: Source, *, target: str,
             raise UsageError(f"{source}: not a folder aoa converted (no {RECORD}); it is "
                              "already in Hugging Face layout")
         return _forward(cfg, family, checkpoint, target, mesh or Mesh(), dtype, mapping_file,
-                        output_format)
+                        output_format, strict)
     if record["family"] != family.name:
         raise ModelError(f"{source / RECORD}: records family '{record['family']}', but "
                          f"config.json is of family '{family.name}'")
@@ -130,17 +116,19 @@ def plan_job(source: str | Path, checkpoint: Source, *, target: str,
         if mesh is not None or dtype is not None or mapping_file is not None:
             raise UsageError("--to hf takes everything from the record; give no --tp, --ep, "
                              "--pp, --dtype or --mapping")
-        return _inverse(cfg, family, checkpoint, record, output_format)
+        return _inverse(cfg, family, checkpoint, record, output_format, strict)
     if target != record["target"]:
         raise UsageError(f"{source} holds the {record['target']} layout; convert it --to hf "
                          f"first, then --to {target}")
-    return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype, output_format)
+    return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype, output_format,
+                    strict)
 
 
 def run(source: str | Path, output: str | Path, *, target: str, mesh: Mesh | None = None,
         dtype: str | None = None, mapping_file: str | Path | None = None,
         output_format: str | None = None, threads: int | None = None,
-        progress: Callable[[int], None] | None = None, dry_run: bool = False) -> Job:
+        progress: Callable[[int], None] | None = None, dry_run: bool = False,
+        strict: bool = True) -> Job:
     """Plan the job, then (unless a dry run) write the checkpoint, side files and record.
     ``output_format``: the files' format (default: sharded safetensors for a target, Hugging
     Face safetensors for `hf`)."""
@@ -149,7 +137,7 @@ def run(source: str | Path, output: str | Path, *, target: str, mesh: Mesh | Non
         check_output(output)
     with open_source(source) as checkpoint:
         job = plan_job(source, checkpoint, target=target, mesh=mesh, dtype=dtype,
-                       mapping_file=mapping_file, output_format=output_format)
+                       mapping_file=mapping_file, output_format=output_format, strict=strict)
         if not dry_run:
             write_job(job, source, output, threads=threads, progress=progress)
     return job
@@ -182,8 +170,8 @@ def copy_side_files(source: Path, output: Path) -> None:
 
 
 def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
-             dtype: str | None, mapping_file: str | Path | None, output_format: str | None
-             ) -> Job:
+             dtype: str | None, mapping_file: str | Path | None, output_format: str | None,
+             strict: bool) -> Job:
     info = checkpoint.shards
     absent = check_tensors(info, family.tensors(cfg.with_checkpoint(frozenset(info))), cfg,
                            family.name)
@@ -200,14 +188,15 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
         text, origin = _read_text(mapping_file), str(mapping_file)
     conversion = prepare(MappingText(text, False, origin if mapping_file else
                                      "<aoa.models mapping>"),
-                         checkpoint, layout=mapping.layout, output_format=output_format)
+                         checkpoint, layout=mapping.layout, output_format=output_format,
+                         strict=strict)
     record = _record(mapping, text, origin, source_dtypes)
     record["absent_groups"] = sorted(absent)
     return Job("forward", mapping, text, origin, mapping.layout, conversion, record, notes)
 
 
 def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
-             output_format: str | None) -> Job:
+             output_format: str | None, strict: bool) -> Job:
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     mapping = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"))
@@ -218,7 +207,7 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
     else:
         text, reverse = record["mapping"], True  # an edited mapping, run backwards
     conversion = prepare(MappingText(text, reverse, "<aoa.models inverse>"), checkpoint,
-                         output_format=output_format)
+                         output_format=output_format, strict=strict)
     _check_outputs(conversion, mapping.source_tensors, set(record.get("absent_groups", [])))
     out = dict(record, direction="inverse", target=HF, aoa_version=aoa_version(),
                mapping=text, mapping_origin="aoa.models inverse" if not reverse else
@@ -228,7 +217,7 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
 
 
 def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
-             dtype: str | None, output_format: str | None) -> Job:
+             dtype: str | None, output_format: str | None, strict: bool) -> Job:
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     before = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"))
@@ -239,7 +228,7 @@ def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
     mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"))
     text = mapping.reshard(_stored_dtypes(mapping, info))
     conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
-                         layout=mapping.layout, output_format=output_format)
+                         layout=mapping.layout, output_format=output_format, strict=strict)
     out = _record(mapping, record["mapping"], record.get("mapping_origin", "aoa.models"),
                   record["source_dtypes"])
     out["absent_groups"] = record.get("absent_groups", [])

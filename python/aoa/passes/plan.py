@@ -132,11 +132,11 @@ def destination_shards(tensors: SymbolicTensors, ctx: CompileContext) -> list[Sh
     in the dtype its casts produce (spec 7.2)."""
     if ctx.destination is not None:
         return [shard for shards in ctx.destination.values() for shard in shards]
-    return [ShardDesc.full(name, tensor.shape, _output_dtype(name, tensor))
+    return [ShardDesc.full(name, tensor.shape, output_dtype(name, tensor))
             for name, tensor in sorted(tensors.outputs.items()) if tensor is not None]
 
 
-def _output_dtype(name: str, tensor: Tensor) -> str | None:
+def output_dtype(name: str, tensor: Tensor) -> str | None:
     """Without a destination, an output's dtype is the one its casts produce (spec 7.2)."""
     last = set()
     for piece in tensor.piece_map.pieces:
