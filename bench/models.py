@@ -8,8 +8,12 @@ layout at tensor-parallel 2, side by side in one run, turn by turn:
              MAPPING --layout` (the job the model library hands its text to)
   fused      the demo's hand-written fused mapping (fused QKV and gate/up, a cast), for scale
 
-Each turn writes to a fresh folder; the first two must write the same bytes.
-Usage: python bench/models.py [--layers 8] [--repeats 3] [--threads N] [--work DIR]
+Each turn writes to a fresh folder; the first two must write the same bytes. Then, without
+writing (where the disk's noise hides small differences), planning alone, turn by turn:
+`--to` (config, key check, mapping, layout, compile and plan) against `by hand` (compile and
+plan of the same text).
+Usage: python bench/models.py [--layers 8] [--repeats 3] [--plan-repeats 10] [--threads N]
+                              [--work DIR]
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plan-repeats", type=int, default=10)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--work", help="folder for the files (default: a temporary one)")
     args = parser.parse_args()
@@ -118,6 +123,19 @@ def main() -> None:
         total, write = statistics.median(totals[name]), statistics.median(writes[name])
         print(f"{name:10s}{total:9.3f}{write:11.3f}{total - write:12.3f}"
               f"{total / reference:11.2f}x")
+    plans: dict[str, list[float]] = {"--to": [], "by hand": []}
+    with open_source(source) as checkpoint:
+        for _ in range(args.plan_repeats):
+            start = time.perf_counter()
+            model_convert.plan_job(source, checkpoint, target="paddleformers",
+                                   mesh=Mesh(tp=2))
+            plans["--to"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            prepare(MappingText(BY_HAND), checkpoint, layout=hand_layout)
+            plans["by hand"].append(time.perf_counter() - start)
+    to, hand = (statistics.median(plans[k]) for k in ("--to", "by hand"))
+    print(f"planning alone, median of {args.plan_repeats}: --to {to * 1e3:.1f} ms, by hand "
+          f"{hand * 1e3:.1f} ms: the model library adds {(to - hand) * 1e3:.1f} ms")
     if not args.work:
         shutil.rmtree(work)
 

@@ -50,6 +50,8 @@ from aoa.models import Config, Mesh, family_of, mapping_for
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "tests" / "golden" / "paddleformers"
 STATEMENTS = ROOT / "bench" / "paddleformers_statements.py"
+#: paddle_reference.py with PaddleFormers' macros (fused_in_proj) registered
+REFERENCE_WITH_MACROS = ROOT / "bench" / "paddleformers_reference.py"
 SEED = 0
 
 #: 8 query heads and 4 key/value heads of 2 (TP 4 divides both), small everything else.
@@ -202,9 +204,93 @@ def check_inverse(name: str, statements: list[str], destination: dict, targets: 
     return {"true": not wrong, "wrong": wrong}
 
 
+# --- fused_in_proj: PaddleFormers' own macro, run as PaddleFormers registers it ---------
+
+#: Qwen3.5's linear attention: 2 key heads and 4 value heads of 4, hidden 16, kernel 3.
+QWEN3_5 = {"model_type": "qwen3_5", "text_config": {
+    "model_type": "qwen3_5_text", "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"], "hidden_size": 16,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 4,
+    "linear_value_head_dim": 4, "linear_conv_kernel_dim": 3, "intermediate_size": 16,
+    "vocab_size": 32}}
+STATEMENT_CASES = {"qwen3_5_linear_attention_tp2": 2, "qwen3_5_linear_attention_tp4": 4}
+
+
+def ask_with_macros(case: dict[str, Any], paddle_python: str) -> list:
+    with tempfile.TemporaryDirectory() as folder:
+        case_file = Path(folder) / "case.json"
+        case_file.write_text(json.dumps(case))
+        result = subprocess.run([paddle_python, str(REFERENCE_WITH_MACROS), str(case_file)],
+                                capture_output=True, text=True)
+    answer = json.loads(result.stdout) if result.returncode == 0 else None
+    if answer is None or answer["status"] != "ok":
+        sys.exit(f"{case['name']}: Paddle with PaddleFormers' macros failed:\n"
+                 f"{(answer or {}).get('paddle_error') or result.stderr[-3000:]}")
+    return answer["entries"]
+
+
+def freeze_statements(name: str, rng: np.random.Generator, output: Path,
+                      paddle_python: str) -> str:
+    """PaddleFormers' statements for Qwen3.5's first layer (linear attention), fused_in_proj
+    and all, run by Paddle with PaddleFormers' macro; aoa must give the same bytes."""
+    tp = STATEMENT_CASES[name]
+    statements = [s for s in paddleformers_statements(
+        "qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5, paddle_python)["forward"]
+        if ".layers.0.linear_attn." in s]
+    hf = "model.language_model.layers.0.linear_attn."
+    pf = "model.language_model.layers.0.self_attn."
+    shapes = {"in_proj_qkv.weight": (32, 16), "in_proj_z.weight": (16, 16),
+              "in_proj_b.weight": (4, 16), "in_proj_a.weight": (4, 16),
+              "conv1d.weight": (32, 1, 3), "dt_bias": (4,), "A_log": (4,),
+              "norm.weight": (4,), "out_proj.weight": (16, 16)}
+    source = {hf + k: [full(hf + k, shape, "float32")] for k, shape in shapes.items()}
+    arrays = {f"src::{hf}{k}": rng.standard_normal(shape).astype(np.float32)
+              for k, shape in shapes.items()}
+
+    def split(key: str, shape: tuple[int, ...], axis: int | None, dtype: str) -> list:
+        parts = 1 if axis is None else tp
+        out = []
+        for r in range(parts):
+            local, offset = list(shape), [0] * len(shape)
+            if axis is not None:
+                local[axis] //= tp
+                offset[axis] = r * local[axis]
+            out.append(ShardDesc(key, tuple(local), shape, tuple(offset), dtype).to_json())
+        return out
+
+    destination = {pf + k: split(pf + k, shape, axis, dtype) for k, shape, axis, dtype in (
+        ("in_proj.weight", (16, 56), 1, "float32"), ("conv1d.weight", (32, 1, 3), 0, "bfloat16"),
+        ("dt_bias", (4,), None, "float32"), ("A_log", (4,), None, "float32"),
+        ("out_norm.weight", (4,), None, "bfloat16"), ("out_proj.weight", (16, 16), 0, "float32"))}
+    queries = [shard for shards in destination.values() for shard in shards]
+    case = {"name": name, "aoa_statements": statements, "reverse": False, "source": source,
+            "destination": destination, "queries": queries}
+    entries = ask_with_macros(case, paddle_python)
+    expected_arrays = []
+    for index, (query, query_entries) in enumerate(zip(queries, entries)):
+        npz_key = f"dst::{index}::{query['key']}"
+        arrays[npz_key] = assemble(query, query_entries, arrays)
+        expected_arrays.append({"npz_key": npz_key, "query": index})
+    bfloat16_keys = [k for k, a in arrays.items() if a.dtype == ml_dtypes.bfloat16]
+    stored = {k: a.view(np.uint16) if k in bfloat16_keys else a for k, a in arrays.items()}
+    record = {"name": name, "kind": "statements", "config": QWEN3_5, "mesh": {"tp": tp},
+              "paddleformers": {"module": "qwen3_5", "class": "Qwen3_5ForConditionalGeneration",
+                                "forward": statements},
+              "source": source, "destination": destination, "queries": queries,
+              "entries": entries, "arrays": expected_arrays,
+              "bfloat16_as_uint16": bfloat16_keys}
+    folder = output / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "case.json").write_text(json.dumps(record, indent=1) + "\n")
+    np.savez_compressed(folder / "arrays.npz", **stored)
+    return f"{len(queries)} shards, {len(statements)} statements of PaddleFormers"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", choices=list(CASES), metavar="NAME")
+    parser.add_argument("--only", action="append", choices=[*CASES, *STATEMENT_CASES],
+                        metavar="NAME")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--paddle-python", default=DEFAULT_PADDLE_PYTHON)
     args = parser.parse_args()
@@ -215,6 +301,12 @@ def main() -> None:
             continue
         rng = np.random.default_rng([SEED, index])
         print(f"{name}: {freeze(name, rng, args.output, args.paddle_python)}", flush=True)
+    for index, name in enumerate(STATEMENT_CASES, start=len(CASES)):
+        if args.only and name not in args.only:
+            continue
+        rng = np.random.default_rng([SEED, index])
+        print(f"{name}: {freeze_statements(name, rng, args.output, args.paddle_python)}",
+              flush=True)
     aoa.__name__  # noqa: B018 - the package must import before the cases are built
 
 

@@ -6,7 +6,9 @@ many more, e.g. ``AOA_FUZZ_EXAMPLES=20000 python -m pytest -q -k fuzz``.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -21,14 +23,13 @@ fuzz_settings = settings(
                            HealthCheck.filter_too_much],
 )
 
-#: Numbers where bugs live: small, boundaries of int64 and uint64, and beyond.
-NUMBERS = st.one_of(
-    st.integers(-3, 9),
-    st.sampled_from([2**31, 2**32, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64,
-                     10**30, -(2**63)]),
-    st.integers(),
-    st.integers(4300, 4400).map(lambda digits: 10**digits),  # past Python's int <-> str limit
-)
+#: Numbers where bugs live: small mostly, boundaries of int64 and uint64, and beyond.
+_SMALL = st.integers(-3, 9)
+_EDGES = st.sampled_from([2**31, 2**32, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64,
+                          10**30, -(2**63)])
+_HUGE = st.integers(4300, 4400).map(lambda digits: 10**digits)  # past Python's int <-> str limit
+NUMBERS = st.integers(0, 99).flatmap(  # weighted: one in fifty past the digit limit
+    lambda k: _SMALL if k < 60 else _EDGES if k < 85 else st.integers() if k < 98 else _HUGE)
 
 SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, st.floats(allow_nan=True),
                     st.text(max_size=8))
@@ -47,3 +48,14 @@ def json_values(leaves=SCALARS, max_leaves: int = 12):
 def deeply_nested(depth: int, as_object: bool) -> str:
     """JSON text nested ``depth`` deep: more than any recursive parser can take."""
     return ('{"a":' * depth + "1" + "}" * depth) if as_object else ("[" * depth + "]" * depth)
+
+
+def dumps(value) -> str:
+    """``value`` as JSON, numbers of any length included (Python's limit of 4300 digits is
+    lifted while writing them: the readers under test must refuse them, not the fuzzer)."""
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        return json.dumps(value)
+    finally:
+        sys.set_int_max_str_digits(limit)

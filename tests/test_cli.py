@@ -37,6 +37,12 @@ def test_check_ok_prints_notes(files, capsys):
     assert out.rstrip().endswith("ok: 2 statements after expansion, 1 notes")
 
 
+def test_a_dropped_key_is_not_unused(files, capsys):
+    (files / "drop.aoa").write_text("w^T -> v\nunused -> _\n")
+    assert run(files, "check", "drop.aoa", "--destination", str(files / "dst.json")) == 0
+    assert "used by nothing" not in capsys.readouterr().out
+
+
 def test_check_error_exit_1_with_caret(files, capsys):
     assert run(files, "check", "bad.aoa") == 1
     err = capsys.readouterr().err

@@ -293,3 +293,21 @@ def test_format_names_refused(workspace, capsys, option, name, message):
                  option, name, "--quiet"]) == 2
     assert capsys.readouterr().err.startswith(message)
     assert not (workspace / "out").exists()
+
+
+@pytest.mark.parametrize(("where", "compiles"), [([], 1), (["--layout", "tp2.toml"], 2)],
+                         ids=["whole-tensors", "mesh-layout"])
+def test_compiles_once_unless_a_layout_needs_the_outputs_first(workspace, monkeypatch, where,
+                                                               compiles):
+    """A mesh layout's shards come from what the program makes, so it compiles twice (see
+    aoa/jobs/job.py); everything else compiles once."""
+    from aoa.jobs import job
+
+    calls = []
+    analyze = job.analyze
+    monkeypatch.setattr(job, "analyze", lambda *a, **k: calls.append(1) or analyze(*a, **k))
+    hf_single(workspace / "src", tensors())
+    where = [str(workspace / w) if w.endswith(".toml") else w for w in where]
+    assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
+                 "--output", str(workspace / "out"), "--quiet", *where]) == 0
+    assert len(calls) == compiles

@@ -333,3 +333,96 @@ def test_a_layout_of_too_many_ranks(tmp_path):
         read_layout(layout)
     assert caught.value.message == (f"{layout}: the layout is not UTF-8 text: byte 16 "
                                     "(line 2) is b'\\xff'")
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b'{"model_type": "llama"} \xff', "the config is not UTF-8 text: byte 24 (line 1) is "
+                                      "b'\\xff'"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON: nested too deeply"),
+    (b"[1, 2]", "expected a JSON object"),
+])
+def test_a_model_config_that_is_not_a_json_object(tmp_path, capsys, content, message):
+    config = tmp_path / "config.json"
+    config.write_bytes(content)
+    code, err = cli(capsys, "mapping", "--config", config, "--to", "paddleformers")
+    assert (code, err.strip()) == (2, f"aoa: error: {config}: {message}")
+
+
+# --- the Python API beyond compile ----------------------------------------------------------
+
+
+def test_the_paddle_engine_refuses_statements_given_as_one_text():
+    from aoa.compat.paddle import AOAEngine
+
+    source = {"w": [ShardDesc.full("w", (4, 6), "float32")]}
+    with pytest.raises(aoa.UsageError) as caught:
+        AOAEngine({"aoa_statements": "w -> v"}, source)
+    assert caught.value.message == ("aoa_statements must be a list of statement texts, not "
+                                    "one text")
+    with pytest.raises(aoa.UsageError) as caught:
+        AOAEngine(["w -> v"], source)
+    assert caught.value.message == ("aoa_config must be a dict with 'aoa_statements', not "
+                                    "['w -> v']")
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    save_file({"w": np.arange(24, dtype=np.float32).reshape(4, 6)},
+              tmp_path / "model.safetensors")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("shard", "message"), [
+    (aoa.Shard(np.zeros((4, 6), np.float32), [4.5, 6]),
+     "shard of 'v': global_shape [4.5, 6] is not a list of integers"),
+    (aoa.Shard(np.zeros((4, 6), np.float32), [8, 6], ["0", 0]),
+     "shard of 'v': global_offset ['0', 0] is not a list of integers"),
+])
+def test_load_refuses_a_shard_of_other_than_integers(checkpoint, shard, message):
+    with pytest.raises(aoa.UsageError) as caught:
+        aoa.load("w -> v", source=checkpoint, into={"v": shard})
+    assert caught.value.message == message
+
+
+@pytest.mark.parametrize("threads", ["2", 1.5, True, 0])
+def test_load_refuses_threads_that_are_not_a_count(checkpoint, threads):
+    with pytest.raises(aoa.UsageError) as caught:
+        aoa.load("w -> v", source=checkpoint, into={"v": np.zeros((4, 6), np.float32)},
+                 threads=threads)
+    assert caught.value.message == f"threads must be a whole number from 1, not {threads!r}"
+
+
+def plan_json() -> dict:
+    source = {"w": [ShardDesc.full("w", (4, 6), "float32")]}
+    return aoa.compile("w -> v", source, {"v": [ShardDesc.full("v", (4, 6), "float32")]}
+                       ).to_json()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda p: p["copies"][0].__setitem__(0, 5),
+     "not an aoa plan: copy 0 names shard 5 or 0, which the plan lacks"),
+    (lambda p: p["copies"][0].__setitem__(2, [9, 6]), "not an aoa plan: copy 0 reaches past "
+                                                      "its shards"),
+    (lambda p: p["copies"][0].__setitem__(5, [0, 0]),
+     "not an aoa plan: copy 0 has order [0, 0], not a permutation of 2 axes"),
+    (lambda p: p["copies"][0].__setitem__(6, ["float33"]),
+     "not an aoa plan: copy 0 casts to ('float33',), not known dtypes"),
+    (lambda p: p["copies"][0].pop(), "not an aoa plan: not enough values to unpack "
+                                     "(expected 7, got 6)"),
+    (lambda p: p.pop("sources"), "not an aoa plan: it lacks 'sources'"),
+    (lambda p: p.__setitem__("format", "x"), "not an aoa plan (format 'x', expected "
+                                             "'aoa-plan/1')"),
+])
+def test_a_plan_read_back_is_checked_whole(change, message):
+    data = plan_json()
+    assert aoa.Plan.loads(json.dumps(data)).to_json() == data
+    change(data)
+    with pytest.raises(aoa.UsageError) as caught:
+        aoa.Plan.loads(json.dumps(data))
+    assert caught.value.message == message
+
+
+def test_a_plan_nested_100000_deep():
+    with pytest.raises(aoa.UsageError) as caught:
+        aoa.Plan.loads("[" * 100_000)
+    assert caught.value.message == "plan: not valid JSON: nested too deeply"

@@ -218,3 +218,26 @@ def test_merge_out_of_proportion_is_refused(statement, sources, fused, reverse):
     reverse (no forward run gives such parts)."""
     with pytest.raises(aoa.ValidationError, match="cannot merge"):
         aoa.compile([statement], layout(sources), layout({"f": fused}), reverse=reverse)
+
+
+# 5. where the spec is silent ---------------------------------------------------------------
+
+def test_statements_glued_in_one_item_are_each_expanded_alone():
+    """Paddle runs the macro over the whole item and drops `x -> y` (KeyError 'y')."""
+    w, x = random((2, 4), (2, 2))
+    got = run(["w -> t, fused_ffn x -> y", "x -> z a.$LAYER_ID -> b.$LAYER_ID"],
+              {"w": (2, 4), "x": (2, 2), "a.0": (2, 2)},
+              {"t": ((2, 4), 2, 1), "y": (2, 2), "z": (2, 2), "b.0": (2, 2)},
+              {"w": w, "x": x, "a.0": x})
+    assert same(got["t"], ffn_fuse(*ffn_unfuse(w, 1, 1), 2, 1))
+    assert same(got["y"], x) and same(got["z"], x) and same(got["b.0"], x)
+
+
+def test_full_export_of_a_one_shard_fused_split_keeps_the_written_names():
+    """Paddle's one-piece step is an alias, so its export says fused_ffn_tmp.GATE_0."""
+    (f,) = random((2, 4))
+    plan = aoa.compile(["f -> g, u, fused_ffn"], layout({"f": (2, 4)}), None)
+    outputs = dict(zip((s.key for s in plan.destinations),
+                       reference.run_plan_on_arrays(plan, {"f": f}), strict=True))
+    assert sorted(outputs) == ["g", "u"]
+    assert same(outputs["g"], f[:, :2]) and same(outputs["u"], f[:, 2:])

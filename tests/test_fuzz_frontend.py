@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
-from fuzzing import NUMBERS, deeply_nested, fuzz_settings, json_values
+import pytest
+from fuzzing import NUMBERS, deeply_nested, dumps, fuzz_settings, json_values
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -206,6 +205,9 @@ SHARD_FIELDS = st.fixed_dictionaries(
               "dtype": st.one_of(st.sampled_from([*DTYPES, "float33"]), json_values())},
 )
 
+ANY_JSON = json_values()
+
+
 @st.composite
 def shard_info_json(draw):
     """Shard info of the fuzzed sources as JSON, one field of one shard maybe replaced."""
@@ -215,7 +217,7 @@ def shard_info_json(draw):
         shard = draw(st.sampled_from(sorted(info)))
         field = draw(st.sampled_from(["key", "local_shape", "global_shape", "global_offset",
                                       "dtype"]))
-        info[shard][0][field] = draw(st.one_of(json_values(), st.lists(NUMBERS, max_size=3)))
+        info[shard][0][field] = draw(st.one_of(ANY_JSON, st.lists(NUMBERS, max_size=3)))
     return info
 
 
@@ -238,22 +240,20 @@ MAPPING_JSON = st.one_of(
 
 
 def file_content(value) -> bytes:
-    """``value`` as the bytes of a file: bytes as they are, anything else as JSON (numbers
-    of any length: Python's limit of 4300 digits is lifted while writing them)."""
-    if isinstance(value, bytes):
-        return value
-    limit = sys.get_int_max_str_digits()
-    sys.set_int_max_str_digits(0)
-    try:
-        return json.dumps(value).encode("utf-8", "surrogatepass")
-    finally:
-        sys.set_int_max_str_digits(limit)
+    """``value`` as the bytes of a file: bytes as they are, anything else as JSON."""
+    return value if isinstance(value, bytes) else dumps(value).encode("utf-8", "surrogatepass")
 
 
 def run_cli(arguments: list[str]) -> int:
     """``aoa`` with these arguments; raises whatever escapes it."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return cli.main(arguments)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """One folder for all cases: making and removing a folder per case costs more than it."""
+    return tmp_path_factory.mktemp("fuzz")
 
 
 @fuzz_settings
@@ -266,11 +266,49 @@ def run_cli(arguments: list[str]) -> int:
                      st.sampled_from([deeply_nested(100_000, True)]).map(str.encode)),
     command=st.sampled_from(["check", "explain", "compile"]),
 )
-def test_fuzz_command_line_files_raise_only_aoa_errors(mapping, mapping_suffix, source, command):
-    with tempfile.TemporaryDirectory() as folder:
-        mapping_path = Path(folder) / f"mapping{mapping_suffix}"
-        mapping_path.write_bytes(file_content(mapping))
-        source_path = Path(folder) / "source.json"
-        source_path.write_bytes(file_content(source))
-        arguments = [command, str(mapping_path), "--source", str(source_path)]
-        assert run_cli(arguments) in (cli.EXIT_OK, cli.EXIT_ERRORS, cli.EXIT_USAGE)
+def test_fuzz_command_line_files_raise_only_aoa_errors(folder, mapping, mapping_suffix, source,
+                                                       command):
+    mapping_path = folder / f"mapping{mapping_suffix}"
+    mapping_path.write_bytes(file_content(mapping))
+    source_path = folder / "source.json"
+    source_path.write_bytes(file_content(source))
+    arguments = [command, str(mapping_path), "--source", str(source_path)]
+    assert run_cli(arguments) in (cli.EXIT_OK, cli.EXIT_ERRORS, cli.EXIT_USAGE)
+
+
+# --- plans read back from JSON ------------------------------------------------------------
+
+PLAN = aoa.compile(["w -> t, u, axis=1", "u, t -> d, axis=1", "a^T -> v, dtype='bfloat16'"],
+                   {"w": [aoa.ShardDesc("w", (2, 6), (4, 6), (2 * i, 0), "float32")
+                          for i in range(2)],
+                    "a": [aoa.ShardDesc.full("a", (8, 6), "float16")]},
+                   {"d": [aoa.ShardDesc("d", (4, 3), (4, 6), (0, 3 * i), "float32")
+                          for i in range(2)],
+                    "v": [aoa.ShardDesc.full("v", (6, 8), "bfloat16")]}).to_json()
+
+
+@st.composite
+def plan_json(draw):
+    """The JSON of a small real plan, with a few values anywhere in it replaced."""
+    plan = json.loads(json.dumps(PLAN))
+    for _ in range(draw(st.integers(1, 3))):
+        container, path = plan, []
+        while isinstance(container, (dict, list)) and container and draw(st.integers(0, 3)):
+            key = draw(st.sampled_from(sorted(container) if isinstance(container, dict)
+                                       else range(len(container))))
+            path.append((container, key))
+            container = container[key]
+        if path:
+            parent, key = path[-1]
+            parent[key] = draw(st.one_of(NUMBERS, ANY_JSON, st.integers(0, 9)))
+    return plan
+
+
+@fuzz_settings
+@given(plan_json(), st.integers(0, 2**32 - 1))
+def test_fuzz_plan_json_raises_only_aoa_errors(data, seed):
+    try:
+        plan = aoa.Plan.loads(dumps(data))
+    except AoaError:
+        return
+    run_plan(plan, seed)

@@ -296,6 +296,19 @@ def test_the_compiler_still_validates(small):
         aoa.load("w -> x, y, axis=1", source=folder, into=into, progress=False)
 
 
+def test_load_compiles_twice(small, monkeypatch):
+    """Once on its own, to check the buffers against what the mapping makes; once against
+    the buffers' shards, to plan (see aoa/jobs/job.py)."""
+    from aoa.jobs import job
+
+    calls = []
+    analyze = job.analyze
+    monkeypatch.setattr(job, "analyze", lambda *a, **k: calls.append(1) or analyze(*a, **k))
+    folder, expected = small
+    aoa.load(MAPPING, source=folder, into=empty_like(expected), progress=False)
+    assert len(calls) == 2
+
+
 # -- one source into several destinations; tied weights ---------------------------------------
 
 

@@ -368,3 +368,45 @@ def test_the_output_format_is_one_argument(hf, tmp_path, capsys):
     with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
         for key, value in tensors.items():
             assert f.array(key).tobytes() == value.tobytes(), key
+
+
+def test_pipeline_stages_hold_their_layers_and_come_back(tmp_path, capsys):
+    config = {**LLAMA, "num_hidden_layers": 4}
+    tensors = hf_folder(tmp_path / "hf", config)
+    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--pp", "2"],
+               ["--to", "hf"])
+    held = []
+    for rank in range(4):
+        with SafetensorsFile.open(tmp_path / "out0" / f"rank-{rank:05d}-of-00004.safetensors"
+                                  ) as f:
+            held.append(set(f.tensors))
+    assert all("model.embed_tokens.weight" in held[r] for r in (0, 1))
+    assert not any("model.embed_tokens.weight" in held[r] for r in (2, 3))
+    assert all("lm_head.weight" in held[r] and "model.norm.weight" in held[r] for r in (2, 3))
+    assert all("model.layers.1.mlp.down_proj.weight" in held[r] for r in (0, 1))
+    assert all("model.layers.2.mlp.down_proj.weight" in held[r] for r in (2, 3))
+    assert not any("model.layers.2.mlp.down_proj.weight" in held[r] for r in (0, 1))
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
+
+
+def test_dtype_narrows_on_the_way_there_and_the_way_back_restores_the_dtype(tmp_path, capsys):
+    import ml_dtypes
+
+    config = {**QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 16}
+    tensors = hf_folder(tmp_path / "hf", config)
+    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--dtype", "bfloat16"],
+               ["--to", "paddleformers", "--tp", "4"], ["--to", "hf"])
+    with SafetensorsFile.open(tmp_path / "out1" / "rank-00000-of-00004.safetensors") as f:
+        assert f.array("model.layers.0.mlp.gate.weight").dtype == np.float32
+        assert f.array("model.layers.0.self_attn.qkv_proj.weight").dtype == ml_dtypes.bfloat16
+    record = json.loads((tmp_path / "out1" / "aoa-conversion.json").read_text())
+    assert record["dtype"] == "bfloat16" and record["mesh"]["tp"] == 4
+    with SafetensorsFile.open(tmp_path / "out2" / "model.safetensors") as f:
+        for key, value in tensors.items():
+            back = f.array(key)
+            assert back.dtype == np.float32, key
+            want = value if key.endswith("mlp.gate.weight") else \
+                value.astype(ml_dtypes.bfloat16).astype(np.float32)
+            assert back.tobytes() == want.tobytes(), key

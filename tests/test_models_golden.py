@@ -21,7 +21,11 @@ from aoa.models.mapping import template_dtypes
 from aoa.runtime.reference import run_plan_on_arrays
 
 GOLDEN = Path(__file__).parent / "golden" / "paddleformers"
-CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "case.json").is_file())
+FOLDERS = sorted(p for p in GOLDEN.iterdir() if (p / "case.json").is_file())
+#: a model library mapping against PaddleFormers' own
+CASES = [p.name for p in FOLDERS if '"kind": "statements"' not in (p / "case.json").read_text()]
+#: PaddleFormers' statements themselves, run by aoa (its fused_in_proj macro)
+STATEMENT_CASES = [p.name for p in FOLDERS if p.name not in CASES]
 
 
 def load(name: str):
@@ -98,3 +102,22 @@ def test_paddleformers_way_back_is_not_always_true():
     verdicts = {name: load(name)[0]["paddleformers_inverse"] for name in CASES}
     untrue = {name for name, verdict in verdicts.items() if not verdict["true"]}
     assert {"phi3_tp2", "gemma3_text_tp2"} <= untrue
+
+
+@pytest.mark.parametrize("name", STATEMENT_CASES)
+def test_paddleformers_fused_in_proj_as_paddleformers_registers_it(name):
+    """PaddleFormers' Qwen3.5 linear-attention statements (fused_in_proj with
+    tp_probe_key, which PaddleFormers adds to Paddle's macros) give in aoa the bytes Paddle
+    gives with PaddleFormers' macro registered."""
+    case, arrays = load(name)
+    statements = case["paddleformers"]["forward"]
+    assert any("fused_in_proj" in s and "tp_probe_key=" in s for s in statements)
+    plan = aoa.compile(statements, info(case["source"]), info(case["destination"]))
+    tensors = {k[len("src::"):]: v for k, v in arrays.items() if k.startswith("src::")}
+    got = {(d.key, d.global_offset): a for d, a in zip(plan.destinations,
+                                                         run_plan_on_arrays(plan, tensors))}
+    for expected in case["arrays"]:
+        query = case["queries"][expected["query"]]
+        want = arrays[expected["npz_key"]]
+        have = got[(query["key"], tuple(query["global_offset"]))]
+        assert have.dtype == want.dtype and have.tobytes() == want.tobytes(), query["key"]

@@ -13,7 +13,7 @@ from models_support import MODELS, aoa, build, logits, tensors
 pytestmark = pytest.mark.slow
 
 
-def round_trip(name, tmp_path, *degrees: str, ep: int = 1, dtype=None):
+def round_trip(name, tmp_path, *degrees: str, ep: int = 1, pp: int = 1, dtype=None):
     import torch  # here, not at the top: collecting the default suite stays cheap
     import transformers
 
@@ -27,6 +27,8 @@ def round_trip(name, tmp_path, *degrees: str, ep: int = 1, dtype=None):
                      "paddleformers", "--tp", tp]
         if ep > 1:
             arguments += ["--ep", str(ep)]
+        if pp > 1:
+            arguments += ["--pp", str(pp)]
         status, err = aoa(*arguments)
         assert status == 0, err
         folder = out
@@ -81,3 +83,9 @@ def test_bfloat16_round_trip_keeps_router_float32(name, tmp_path):
     assert gates and all(v[0] == "torch.float32" for v in gates)
     assert pf["model.embed_tokens.weight"][0] == "torch.bfloat16" if name == "deepseek_v3" \
         else pf["model.embedding.embed_tokens.weight"][0] == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gemma3_text"])
+def test_pipeline_round_trip(name, tmp_path):
+    """Layers placed on two pipeline stages (and experts on two expert-parallel ranks)."""
+    round_trip(name, tmp_path, "2", ep=2 if MODELS[name][3] else 1, pp=2)

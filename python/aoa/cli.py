@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aoa.errors import AoaError, UsageError
+from aoa.inputs import load_json, read_text
 from aoa.mapping import MappingText, read_mapping, read_shard_info, read_source
 from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
 from aoa.passes.context import CompileContext
@@ -28,11 +29,13 @@ def _program(args) -> tuple[MappingText, CompileContext]:
     derived through a mesh layout), strict unless --lenient."""
     from aoa.jobs.convert import ShardInfo, destination_shards
     from aoa.mesh_layout import read_mesh_layout
+    from aoa.record import source_record
 
     mapping = read_mapping(args.mapping)
     mapping = mapping._replace(reverse=mapping.reverse or args.reverse)
     strict = not args.lenient
-    source, fused = read_source(args.source, args.source_format)
+    source, checkpoint = read_source(args.source, args.source_format)
+    fused = source_record(checkpoint) if checkpoint is not None else None
     destination: ShardInfo | None = read_shard_info(args.destination, "destination")
     if args.layout is not None:
         destination, _ = destination_shards(mapping, source,
@@ -222,7 +225,7 @@ def cmd_convert_model(args) -> int:
     mesh = job.record["mesh"]
     where = "Hugging Face" if args.to == "hf" else (
         f"{args.to}, tp {mesh['tp']} ep {mesh['ep']} pp {mesh['pp']}")
-    print(f"{job.mapping.family} ({job.mapping.model_type}) -> {where}: wrote "
+    print(f"{job.mapping.name} ({job.mapping.model_type}) -> {where}: wrote "
           f"{len(conversion.files)} files ({conversion.nbytes / 1e9:.3f} GB) to {args.output} "
           f"in {conversion.seconds:.2f} s, {rate:.2f} GB/s")
     return EXIT_OK
@@ -233,13 +236,9 @@ def cmd_mapping(args) -> int:
     from aoa.mesh_layout import layout_text
     from aoa.models import Config, mapping_for
 
-    try:
-        data = json.loads(Path(args.config).read_text())
-    except OSError as error:
-        raise UsageError(f"cannot read {args.config}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{args.config}:{error.lineno}:{error.colno}: not valid JSON: "
-                         f"{error.msg}") from None
+    data = load_json(read_text(args.config, "config"), args.config)
+    if not isinstance(data, dict):
+        raise UsageError(f"{args.config}: expected a JSON object")
     mapping = mapping_for(Config(data, args.config), args.to, _mesh(args), dtype=args.dtype)
     print(mapping.inverse() if args.inverse else mapping.forward, end="")
     if not args.inverse:

@@ -13,7 +13,16 @@ from typing import NamedTuple
 from aoa.source import Span
 
 #: Attribute keys that name a macro rather than a tensor (written bare: `a -> b, fused_ffn`).
-FLAG_ATTRIBUTES = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv"})
+FLAG_ATTRIBUTES = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv", "fused_in_proj"})
+#: The fused macros that lay their fused tensor out in pieces of one size per shard (the
+#: grouped layout of `fused_qkv` is the same for any shard count; `fused_in_proj`'s parts
+#: may differ in size).
+PER_SHARD_FLAGS = frozenset({"fused_ffn", "fused_qkv_old"})
+#: The fused macros whose fused tensor is laid out by its shard count: stored so, it keeps
+#: its meaning at another shard count only when its macro lays it out again.
+SHARD_COUNT_FLAGS = PER_SHARD_FLAGS | {"fused_in_proj"}
+#: Attributes whose value is a key written bare (PaddleFormers' `tp_probe_key=model.x.w`).
+NAME_ATTRIBUTES = frozenset({"tp_probe_key"})
 
 #: Paddle's GLOBAL_ATTRIBUTE_KEYWORDS: names that cannot be tensors.
 ATTRIBUTE_KEYWORDS = frozenset({

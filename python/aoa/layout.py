@@ -42,7 +42,7 @@ class ShardDesc:
         boxes = (self.local_shape, self.global_shape, self.global_offset)
         if not all(type(box) is tuple and all(type(n) is int for n in box) for box in boxes):
             for field_name, box in zip(_BOX_FIELDS, boxes):
-                object.__setattr__(self, field_name, _as_box(self.key, field_name, box))
+                object.__setattr__(self, field_name, as_box(self.key, field_name, box))
         _check_shard(self)
 
     @property
@@ -148,8 +148,9 @@ def as_shard(shard) -> ShardDesc:
 _BOX_FIELDS = ("local_shape", "global_shape", "global_offset")
 
 
-def _as_box(key: object, field_name: str, box: object) -> tuple[int, ...]:
-    """``box`` as a tuple of ints (numpy integers too; not floats, strings or bools)."""
+def as_box(key: object, field_name: str, box: object) -> tuple[int, ...]:
+    """``box`` as a tuple of ints (numpy integers too; not floats, strings or bools); a
+    UsageError naming ``key`` and ``field_name`` otherwise."""
     try:
         if isinstance(box, (str, bytes)) or not isinstance(box, Iterable):
             raise TypeError

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from aoa.errors import UsageError, quote
 from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc, normalize_shard_info
-
-if TYPE_CHECKING:
-    from aoa.record import FusedRecord
 
 
 class MappingText(NamedTuple):
@@ -78,11 +75,10 @@ def read_shard_info(path: str | os.PathLike[str] | None, what: str
 
 
 def read_source(path: str | os.PathLike[str], format: str | None = None
-                ) -> tuple[dict[str, list[ShardDesc]], FusedRecord | None]:
+                ) -> tuple[dict[str, list[ShardDesc]], Path | None]:
     """The source shards of `--source`: shard-info JSON, or a checkpoint of any format aoa
     reads (a folder, a file, a Hugging Face index), opened for its shard descriptions; and
-    for a checkpoint, what the record beside it (a model conversion's) says is fused."""
-    from aoa.record import source_record
+    the checkpoint's path (None for shard-info JSON), where a record may lie beside it."""
     from aoa.storage.formats import open_source
 
     path = Path(path)
@@ -92,4 +88,4 @@ def read_source(path: str | os.PathLike[str], format: str | None = None
     if not path.exists():
         raise UsageError(f"cannot read source {path}: no such file or folder")
     with open_source(path, format) as checkpoint:
-        return checkpoint.shards, source_record(checkpoint.path)
+        return checkpoint.shards, checkpoint.path

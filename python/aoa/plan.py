@@ -17,6 +17,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, overload
 
+from aoa.dtypes import is_known
+from aoa.errors import UsageError, quote
+from aoa.inputs import load_json
 from aoa.layout import ShardDesc
 from aoa.printer import Printer
 
@@ -59,6 +62,33 @@ class PlannedCopy(NamedTuple):
         d, ds, shape, s, ss, order, casts = row
         return cls(d, tuple(ds), tuple(shape), s, tuple(ss),
                    None if order is None else tuple(order), tuple(casts))
+
+
+def _copy_problem(copy: PlannedCopy, sources: Sequence[ShardDesc],
+                  destinations: Sequence[ShardDesc]) -> str | None:
+    """What makes a copy read from a file not one the planner could have made, or None:
+    shard numbers in range, boxes of the shards' ranks inside them, a permutation, dtypes."""
+    numbers = (copy.destination, copy.source, *copy.destination_start, *copy.shape,
+               *copy.source_start, *(copy.order or ()))
+    if not all(type(n) is int and n >= 0 for n in numbers):
+        return "holds something other than non-negative integers"
+    if copy.destination >= len(destinations) or copy.source >= len(sources):
+        return f"names shard {copy.destination} or {copy.source}, which the plan lacks"
+    destination, source = destinations[copy.destination], sources[copy.source]
+    rank = len(destination.local_shape)
+    if not (len(copy.destination_start) == len(copy.shape) == rank
+            == len(copy.source_start) == len(source.local_shape)):
+        return "has boxes of other ranks than its shards"
+    if copy.order is not None and sorted(copy.order) != list(range(rank)):
+        return f"has order {list(copy.order)}, not a permutation of {rank} axes"
+    if not all(isinstance(dtype, str) and is_known(dtype) for dtype in copy.casts):
+        return f"casts to {quote(copy.casts)}, not known dtypes"
+    for start, extent, bound in (
+            *zip(copy.destination_start, copy.shape, destination.local_shape),
+            *zip(copy.source_start, copy.source_shape, source.local_shape)):
+        if start + extent > bound:
+            return "reaches past its shards"
+    return None
 
 
 #: one of a key's copies, as the planner memoizes it: (the shard's position among the key's
@@ -160,20 +190,30 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
-        if data.get("format") != FORMAT:
-            raise ValueError(f"not an aoa plan (format {data.get('format')!r}, "
-                             f"expected {FORMAT!r})")
-        return cls([ShardDesc.from_json(s) for s in data["sources"]],
-                   [ShardDesc.from_json(d) for d in data["destinations"]],
-                   [PlannedCopy.from_json(c) for c in data["copies"]],
-                   list(data.get("notes", [])), list(data.get("untouched", [])))
+        """The plan of ``to_json``; a UsageError for anything else."""
+        found = data.get("format") if isinstance(data, dict) else None
+        if found != FORMAT:
+            raise UsageError(f"not an aoa plan (format {quote(found)}, expected {FORMAT!r})")
+        try:
+            plan = cls([ShardDesc.from_json(s) for s in data["sources"]],
+                       [ShardDesc.from_json(d) for d in data["destinations"]],
+                       [PlannedCopy.from_json(c) for c in data["copies"]],
+                       list(data.get("notes", [])), list(data.get("untouched", [])))
+        except (KeyError, TypeError, ValueError) as error:
+            why = f"it lacks {error}" if isinstance(error, KeyError) else str(error)
+            raise UsageError(f"not an aoa plan: {why}") from None
+        for index, copy in enumerate(plan.copies):
+            problem = _copy_problem(copy, plan.sources, plan.destinations)
+            if problem:
+                raise UsageError(f"not an aoa plan: copy {index} {problem}")
+        return plan
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     @classmethod
     def loads(cls, text: str) -> Plan:
-        return cls.from_json(json.loads(text))
+        return cls.from_json(load_json(text, "plan"))
 
     # -- for people ----------------------------------------------------------------------
     def describe(self) -> str:

@@ -4,10 +4,10 @@ degree they were written at.
 
 `aoa convert --to paddleformers` (aoa.models) writes the record: family, target, mesh,
 dtype, the exact mapping text and more. Its mapping says what is fused: a statement with
-`fused_ffn` or `fused_qkv_old` lays the tensors it writes out per shard (`[gate_r | up_r]`
-on each rank r), so such a tensor keeps its meaning only at its shard count, or when a
-statement with the same macro re-lays it. (`fused_qkv`'s grouped layout is the same whole
-tensor at any shard count, so it is not recorded as fused here.)
+`fused_ffn`, `fused_qkv_old` or `fused_in_proj` lays the tensor it writes out by its shard
+count (`[gate_r | up_r]` on each rank r), so such a tensor keeps its meaning only at that
+count, or when a statement with the same macro lays it out again. (`fused_qkv`'s grouped
+layout is the same whole tensor at any shard count, so it is not recorded as fused here.)
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from typing import Any
 
 from aoa.errors import AoaError, StorageError
 from aoa.inputs import load_json, read_text
-from aoa.ir import format_value
-from aoa.passes.expand_fused import PER_SHARD_MACROS
+from aoa.ir import SHARD_COUNT_FLAGS, format_value
 from aoa.passes.parse import parse_source
 from aoa.source import SourceText
 
@@ -60,8 +59,11 @@ class FusedTensor:
     #: the macro's other attributes as written (`num_heads=8, num_key_value_groups=2`)
     attributes: str
 
-    def statement(self, key: str) -> str:
-        """The statement that re-lays ``key`` at the destination's shard count."""
+    def statement(self, key: str) -> str | None:
+        """The statement that re-lays ``key`` at the destination's shard count (None: its
+        macro cannot, as `fused_in_proj`, whose parts may differ in size)."""
+        if self.macro == "fused_in_proj":
+            return None
         extra = f", {self.attributes}" if self.attributes else ""
         return f"{key} -> {key}, {self.macro}{extra}"
 
@@ -103,7 +105,7 @@ def fused_tensors(record: Mapping[str, Any], where: str) -> tuple[FusedTensor, .
                            f"{error.message}") from None
     found: dict[str, FusedTensor] = {}
     for statement in statements:
-        macros = [a.key for a in statement.attributes if a.key in PER_SHARD_MACROS]
+        macros = [a.key for a in statement.attributes if a.key in SHARD_COUNT_FLAGS]
         if not macros or len(statement.right) != 1:
             continue
         attributes = ", ".join(f"{a.key}={format_value(a.value)}" for a in statement.attributes

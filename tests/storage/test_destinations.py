@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors_files import hf_index
-from sharding import assemble
+from sharding import assemble, sharded
 
 from aoa.errors import StorageError, UsageError
 from aoa.layout import ShardDesc
@@ -177,14 +177,10 @@ def test_failing_fill_keeps_an_older_checkpoint(tmp_path: Path) -> None:
 
 
 def split_rows(whole: np.ndarray, ranks: int) -> tuple[list[ShardDesc], list[list[int]]]:
-    """Row blocks of ``whole`` (key 'w') and column blocks of a bias (key 'b'), rank by
-    rank; and each rank's shards as positions."""
-    rows = whole.shape[0] // ranks
-    shards = []
-    for rank in range(ranks):
-        shards += [ShardDesc("w", (rows, whole.shape[1]), whole.shape, (rank * rows, 0),
-                             "float32"),
-                   ShardDesc("b", (1,), (ranks,), (rank,), "float32")]
+    """Row blocks of ``whole`` (key 'w') and of a bias of one element per rank (key 'b'),
+    rank by rank; and each rank's shards as positions."""
+    weights, biases = sharded("w", whole.shape, ranks, 0), sharded("b", (ranks,), ranks, 0)
+    shards = [shard for pair in zip(weights, biases) for shard in pair]
     return shards, [[2 * rank, 2 * rank + 1] for rank in range(ranks)]
 
 

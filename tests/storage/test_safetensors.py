@@ -358,9 +358,10 @@ def test_header_over_the_limit(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("header", "fragment"),
     [
-        (b"{not json", "header is not UTF-8 JSON"),
-        (b'{"a": 1\xff}', "header is not UTF-8 JSON"),
-        (b'{"w": NaN}', "header is not UTF-8 JSON: NaN is not JSON"),
+        (b"{not json", "header:1:2: not valid JSON: Expecting property name enclosed in double "
+                       "quotes"),
+        (b'{"a": 1\xff}', "the header is not UTF-8 text: byte 7 (line 1) is b'\\xff'"),
+        (b'{"w": NaN}', "header: not valid JSON: NaN is not JSON"),
         (b'{"__metadata__": {}, "__metadata__": {}}', "key '__metadata__' appears twice"),
         (b"[]", "header is not a JSON object"),
         (b'{"__metadata__": {"a": 1}}', "__metadata__ is not an object of strings to strings"),

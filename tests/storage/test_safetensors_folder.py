@@ -212,7 +212,7 @@ def test_chunks_that_leave_a_hole(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("info", "fragment"), [
-    ("{", "DCP_SHARDING_INFO is not JSON"),
+    ("{", "DCP_SHARDING_INFO:1:2: not valid JSON: Expecting property name"),
     ('{"v": {"saved_offsets": [0]}}', "DCP_SHARDING_INFO names tensor 'v', which the file"),
     ('{"w": {"saved_offsets": [0]}}',
      "DCP_SHARDING_INFO: tensor 'w' has saved_offsets [0], not 2 non-negative integers"),

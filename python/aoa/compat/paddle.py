@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from aoa.errors import UsageError, quote
 from aoa.layout import ShardDesc, as_shard, normalize_shard_info
 from aoa.passes import PIPELINE, propagate_shapes, through
 from aoa.passes.plan import Planner
@@ -37,7 +38,14 @@ class AOAEngine:
 
     def __init__(self, aoa_config: Mapping, source_state_shard_info: Mapping,
                  destination_state_shard_info: Mapping | None = None) -> None:
-        self.statements: Sequence[str] = list(aoa_config.get("aoa_statements", []))
+        if not isinstance(aoa_config, Mapping):
+            raise UsageError(f"aoa_config must be a dict with 'aoa_statements', not "
+                             f"{quote(aoa_config)}")
+        statements = aoa_config.get("aoa_statements", [])
+        if isinstance(statements, str):  # list() would make one statement per character
+            raise UsageError("aoa_statements must be a list of statement texts, not one text",
+                             hint="Write [\"a -> b\", ...], as Paddle takes it.")
+        self.statements: Sequence[str] = list(statements)
         self.reverse = bool(aoa_config.get("aoa_config_reverse", False))
         self.source = normalize_shard_info(source_state_shard_info, "source") or {}
         self.destination = normalize_shard_info(destination_state_shard_info, "destination")

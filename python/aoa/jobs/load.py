@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from aoa.errors import AoaError, UsageError, ValidationError
 from aoa.jobs.job import Job, ShardInfo, compile_mapping, plan_job
-from aoa.layout import ShardDesc, distinct_boxes, split_optimizer_suffix, tiling_fault
+from aoa.layout import ShardDesc, as_box, distinct_boxes, split_optimizer_suffix, tiling_fault
 from aoa.mapping import MappingText, as_mapping
 from aoa.pipeline import Compilation
 from aoa.plan import Plan
@@ -170,9 +170,9 @@ def _target(key: str, item: object) -> _Target:
     what = f"the buffer for '{key}'"
     if isinstance(item, Shard):
         buffer = adapt(item.buffer, what)
-        global_shape = tuple(int(n) for n in item.global_shape)
-        offset = (tuple(int(n) for n in item.global_offset) if item.global_offset is not None
-                  else (0,) * len(global_shape))
+        global_shape = as_box(key, "global_shape", item.global_shape)
+        offset = (as_box(key, "global_offset", item.global_offset)
+                  if item.global_offset is not None else (0,) * len(global_shape))
     else:
         buffer = adapt(item, what)
         global_shape, offset = buffer.shape, (0,) * len(buffer.shape)

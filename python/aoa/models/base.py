@@ -9,8 +9,7 @@ modules only list steps; `aoa.models.mapping` turns them into AOA text, casts an
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -317,24 +316,3 @@ class Family:
     tensors: Callable[[Config], dict[str, Expected]]
     targets: Mapping[str, Callable[[Config, Mesh], TargetMapping]]
     summary: str = ""
-
-
-# --- template keys -------------------------------------------------------------------------
-
-
-_TEMPLATE_PART = re.compile(r"\$LAYER_ID|\$EXPERT_ID")
-
-
-def template_pattern(template: str) -> re.Pattern[str]:
-    """A regular expression for the concrete keys of a `$LAYER_ID`/`$EXPERT_ID` template."""
-    parts = _TEMPLATE_PART.split(template)
-    return re.compile(r"(\d+)".join(re.escape(p) for p in parts) + r"\Z")
-
-
-def concrete_keys(template: str, keys: Sequence[str]) -> Iterator[str]:
-    if not _TEMPLATE_PART.search(template):
-        if template in keys:
-            yield template
-        return
-    pattern = template_pattern(template)
-    yield from (key for key in keys if pattern.match(key))

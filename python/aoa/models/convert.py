@@ -26,14 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from aoa.errors import StorageError, UsageError
+from aoa.inputs import load_json, read_text
 from aoa.jobs.convert import Conversion, execute, prepare
 from aoa.jobs.job import derived_outputs
 from aoa.layout import ShardDesc
 from aoa.mapping import MappingText
 from aoa.mesh_layout import MeshLayout, layout_text
 from aoa.models import TARGETS, family_of
-from aoa.models.base import Config, Expected, Mesh, ModelError, template_pattern
-from aoa.models.mapping import ModelMapping, build, template_dtypes
+from aoa.models.base import Config, Expected, Mesh, ModelError
+from aoa.models.mapping import ModelMapping, build, template_dtypes, templates_of
 from aoa.record import RECORD, read_record
 from aoa.storage.formats import Source, open_source
 
@@ -68,15 +69,11 @@ def aoa_version() -> str:
 
 def read_config(folder: Path) -> Config:
     path = folder / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.is_file():
         raise UsageError(f"{folder}: no config.json; the model family comes from it",
                          hint="Convert a Hugging Face model folder, or write the mapping by "
-                              "hand and use `aoa convert MAPPING.aoa`.") from None
-    except json.JSONDecodeError as error:
-        raise ModelError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: "
-                         f"{error.msg}") from None
+                              "hand and use `aoa convert MAPPING.aoa`.")
+    data = load_json(read_text(path, "config", ModelError), str(path), ModelError)
     if not isinstance(data, dict):
         raise ModelError(f"{path}: expected a JSON object")
     return Config(data, str(path))
@@ -225,12 +222,13 @@ def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
     if record.get("mapping_origin", "aoa.models") != "aoa.models":
         raise ModelError("this folder was written with an edited mapping; convert it --to hf "
                          "and then forward again with --mapping")
-    mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"))
+    mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"),
+                    source_dtypes=record["source_dtypes"])
     text = mapping.reshard(_stored_dtypes(mapping, info))
     conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
                          layout=mapping.layout, output_format=output_format, strict=strict)
-    out = _record(mapping, record["mapping"], record.get("mapping_origin", "aoa.models"),
-                  record["source_dtypes"])
+    # The record names the mapping from Hugging Face to what the folder now holds.
+    out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"])
     out["absent_groups"] = record.get("absent_groups", [])
     out["resharded_with"] = text
     return Job("reshard", mapping, text, "aoa.models reshard", mapping.layout, conversion,
@@ -283,10 +281,13 @@ def _check_target(info: Mapping[str, list[ShardDesc]], mapping: ModelMapping, re
                   cfg: Config) -> None:
     """A converted folder holds the target tensors of its record, laid out as its record's
     mesh says (a fused layout is read with the degree it was written at)."""
-    source = {key: [ShardDesc.full(key, spec.shape, record["source_dtypes"].get(
-        _template_of(key, record["source_dtypes"]), "float32"))]
-              for key, spec in mapping.source_tensors.items()
-              if spec.group not in set(record.get("absent_groups", []))}
+    absent = set(record.get("absent_groups", []))
+    tensors = {k: spec for k, spec in mapping.source_tensors.items() if spec.group not in absent}
+    dtypes = record["source_dtypes"]
+    template = templates_of(list(tensors), list(dtypes))
+    source = {key: [ShardDesc.full(key, spec.shape, dtypes.get(template.get(key, key),
+                                                               "float32"))]
+              for key, spec in tensors.items()}
     outputs = derived_outputs(MappingText(record["mapping"]), source)
     missing = sorted(set(outputs) - set(info))
     extra = sorted(set(info) - set(outputs))
@@ -305,13 +306,6 @@ def _check_target(info: Mapping[str, list[ShardDesc]], mapping: ModelMapping, re
                              f"{sorted(o for o, _ in have)})",
                              hint="A fused layout is read with the degrees it was written "
                                   "at; the record must be the one written with the files.")
-
-
-def _template_of(key: str, templates: Mapping[str, str]) -> str:
-    for template in templates:
-        if template == key or template_pattern(template).match(key):
-            return template
-    return key
 
 
 def _check_outputs(conversion: Conversion, expected: Mapping[str, Expected],
@@ -342,7 +336,7 @@ def _mesh(record: dict) -> Mesh:
 
 def _record(mapping: ModelMapping, text: str, origin: str, source_dtypes: Mapping[str, str]
             ) -> dict[str, Any]:
-    return {"aoa_version": aoa_version(), "family": mapping.family,
+    return {"aoa_version": aoa_version(), "family": mapping.name,
             "model_type": mapping.model_type, "target": mapping.target,
             "mesh": mapping.mesh.to_json(), "dtype": mapping.dtype, "mapping": text,
             "mapping_origin": origin, "layout": layout_text(mapping.layout),
@@ -350,7 +344,4 @@ def _record(mapping: ModelMapping, text: str, origin: str, source_dtypes: Mappin
 
 
 def _read_text(path: str | Path) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as error:
-        raise UsageError(f"cannot read mapping {path}: {error.strerror}") from None
+    return read_text(path, "mapping")

@@ -10,6 +10,7 @@ original dtype (exact where the forward cast widened; a narrowed tensor comes ba
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,6 @@ from aoa.models.base import (
     ModelError,
     Step,
     TargetMapping,
-    concrete_keys,
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,15 +34,28 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelMapping:
     """Everything a conversion between Hugging Face and a target needs, as text and layout."""
 
-    family: str
-    model_type: str
+    family: Family
+    config: Config
     target: str
     mesh: Mesh
     dtype: str | None
     forward: str
     layout: MeshLayout
-    source_tensors: dict[str, Expected]
     steps: tuple[Step, ...]
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    @functools.cached_property
+    def source_tensors(self) -> dict[str, Expected]:
+        """The tensors the source checkpoint holds (made when asked: a big MoE has tens of
+        thousands)."""
+        return self.family.tensors(self.config)
 
     def inverse(self, source_dtypes: Mapping[str, str] | None = None,
                 stored_dtypes: Mapping[str, str] | None = None) -> str:
@@ -68,8 +81,8 @@ def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | 
                          f"(it has {', '.join(family.targets)})")
     mapping = family.targets[target](cfg, mesh)
     forward = _forward_text(family, cfg, target, mapping, dtype, source_dtypes or {})
-    return ModelMapping(family.name, cfg.model_type, target, mesh, dtype, forward,
-                        layout(mapping, mesh), family.tensors(cfg), tuple(mapping.steps))
+    return ModelMapping(family, cfg, target, mesh, dtype, forward, layout(mapping, mesh),
+                        tuple(mapping.steps))
 
 
 def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
@@ -100,11 +113,27 @@ def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
 
 
 def template_dtypes(templates: Sequence[str], key_dtypes: Mapping[str, str]) -> dict[str, str]:
-    """The dtype of each template's concrete keys; the keys of one template must agree."""
-    keys = list(key_dtypes)
+    """The dtype of each template's concrete keys; the keys of one template must agree.
+
+    Each key is written once as each kind of template would write it (its layer and/or
+    expert numbers replaced by the placeholders), so a template finds its keys by lookup:
+    one pass over the keys per kind, not one per template."""
     found: dict[str, str] = {}
+    if len(set(key_dtypes.values())) == 1:  # one dtype for every key: no need to look
+        (dtype,) = set(key_dtypes.values())
+        return dict.fromkeys(templates, dtype)
+    by_form: dict[tuple[bool, bool], dict[str, set[str]]] = {}
     for template in templates:
-        dtypes = {key_dtypes[key] for key in concrete_keys(template, keys)}
+        kind = (LAYER in template, EXPERT in template)
+        if kind == (False, False):
+            dtypes = {key_dtypes[template]} if template in key_dtypes else set()
+        else:
+            forms = by_form.get(kind)
+            if forms is None:
+                forms = by_form[kind] = {}
+                for key, dtype in key_dtypes.items():
+                    forms.setdefault(_template_form(key, *kind), set()).add(dtype)
+            dtypes = set(forms.get(template, ()))
         if len(dtypes) > 1:
             raise ModelError(f"the keys of '{template}' do not share one dtype "
                              f"({', '.join(sorted(dtypes))})",
@@ -112,6 +141,33 @@ def template_dtypes(templates: Sequence[str], key_dtypes: Mapping[str, str]) -> 
         if dtypes:
             found[template] = dtypes.pop()
     return found
+
+
+def templates_of(keys: Sequence[str], templates: Sequence[str]) -> dict[str, str]:
+    """The template each key belongs to (keys of none are left out)."""
+    kinds = {(LAYER in t, EXPERT in t) for t in templates}
+    wanted = set(templates)
+    found = {}
+    for key in keys:
+        for kind in kinds:
+            form = _template_form(key, *kind)
+            if form in wanted:
+                found[key] = form
+                break
+    return found
+
+
+def _template_form(key: str, layer: bool, expert: bool) -> str:
+    """``key`` with its layer number (after `layers.`) and/or expert number (after
+    `experts.`) written as the placeholder."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        if parts[i].isdigit():
+            if layer and parts[i - 1] == "layers":
+                parts[i] = LAYER
+            elif expert and parts[i - 1] == "experts":
+                parts[i] = EXPERT
+    return ".".join(parts)
 
 
 def _header(family: Family, cfg: Config, target: str, notes: Sequence[str]) -> list[str]:

@@ -5,10 +5,10 @@ strict mode and noted otherwise (`CompileContext.mistake`).
   other statements rename keys: a forgotten statement (Paddle passes the key on as it is,
   under a name the target does not use). A mapping that renames nothing, a pure reshard,
   passes keys on by design.
-* A tensor the source's record says is stored fused per shard (`fused_ffn`,
-  `fused_qkv_old`: `[gate_r | up_r]` on each rank r) reaches a destination over another
-  shard count through no statement of its macro: copied as it lies, its halves or heads land
-  on the wrong ranks.
+* A tensor the source's record says is stored fused by its shard count (`fused_ffn`,
+  `fused_qkv_old`, `fused_in_proj`: `[gate_r | up_r]` on each rank r) reaches a
+  destination over another shard count through no statement of its macro: copied as it
+  lies, its halves or heads land on the wrong ranks.
 
 A statement that expands to nothing and a `fused_qkv` group split between ranks are caught
 where they are made (expand_macros.py, expand_fused.py).
@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from aoa.errors import ValidationError
-from aoa.ir import NOTHING, Program, Statement
+from aoa.ir import NOTHING, SHARD_COUNT_FLAGS, Program, Statement
 from aoa.layout import distinct_boxes
 from aoa.passes.context import CompileContext
-from aoa.passes.expand_fused import PER_SHARD_MACROS
 from aoa.symbolic import SymbolicTensors
 
 NAME = "check_mapping"
@@ -114,14 +113,17 @@ def _check_fused(tensors: SymbolicTensors, ctx: CompileContext) -> None:
             shards = len(distinct_boxes(laid_out)) if laid_out else 1
             if shards == stored:
                 continue
+            statement = found.statement(key)
+            fix = (f"Re-lay it with its macro, e.g. `{statement}` (a template with $LAYER_ID "
+                   "covers every layer)" if statement is not None else
+                   f"{found.macro} cannot lay it out again: convert the folder back (--to hf) "
+                   "and forward at the new degree")
             ctx.mistake(ValidationError(
                 f"'{key}' is stored fused by {found.macro} over {stored} shards (as "
                 f"{record.path} records), but reaches '{output}' over {shards} through no "
                 f"{found.macro} statement: copied as it lies, its parts would land on the "
                 "wrong ranks",
-                hint=f"Re-lay it with its macro, e.g. `{found.statement(key)}` (a template "
-                     f"with $LAYER_ID covers every layer); --lenient (strict=False) copies it "
-                     "as it lies."))
+                hint=f"{fix}; --lenient (strict=False) copies it as it lies."))
 
 
 def _relaid_by_macro(tensors: SymbolicTensors, ctx: CompileContext) -> set[tuple[str, str]]:
@@ -129,7 +131,7 @@ def _relaid_by_macro(tensors: SymbolicTensors, ctx: CompileContext) -> set[tuple
     parents: dict[int, tuple[str, Statement]] = {}
     for statement in tensors.program.statements:
         for macro, parent in statement.origins():
-            if macro in PER_SHARD_MACROS:
+            if macro in SHARD_COUNT_FLAGS:
                 if parent.origin is not None and parent.origin.macro == "transpose":
                     parent = parent.origin.statement  # the names as written, `w^T`
                 parents[id(parent)] = (macro, parent)
@@ -144,6 +146,6 @@ def _relaid_by_macro(tensors: SymbolicTensors, ctx: CompileContext) -> set[tuple
     for group in tensors.program.shared:
         for follower in group.followers:
             for attribute in follower.statement.attributes:
-                if attribute.key in PER_SHARD_MACROS:
+                if attribute.key in SHARD_COUNT_FLAGS:
                     relaid.update((key, attribute.key) for key in follower.reads)
     return relaid

@@ -1,4 +1,5 @@
-"""Expand the layout macros: `X^T`, `fused_ffn`, `fused_qkv_old`, `fused_qkv` (spec 5.6-5.10).
+"""Expand the layout macros: `X^T`, `fused_ffn`, `fused_qkv_old`, `fused_qkv` (spec 5.6-5.10),
+and PaddleFormers' `fused_in_proj`.
 
 They rewrite one statement into splits and concats over named pieces. `fused_ffn` and
 `fused_qkv_old` depend on how many shards the fused tensor has on each side, which the
@@ -14,10 +15,12 @@ and pieces of unequal size are caught where they are joined (propagate_shapes.py
 from __future__ import annotations
 
 import functools
+import itertools
 from math import lcm
 
 from aoa.errors import MacroError
 from aoa.ir import NOTHING, Attribute, Name, Program, Statement
+from aoa.layout import shard_count
 from aoa.limits import MAX_MACRO_NAMES
 from aoa.passes.context import CompileContext
 from aoa.passes.resolve_chains import ChainedProgram, Chains
@@ -25,14 +28,12 @@ from aoa.source import Span
 
 NAME = "expand_fused"
 TRANSPOSE_SUFFIX = "_transpose_tmp"
-FUSED_MACROS = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv"})
-#: The macros that lay pieces out per shard: the pieces they join must be of one size.
-PER_SHARD_MACROS = frozenset({"fused_ffn", "fused_qkv_old"})
 
 _ALLOWED = {
     "fused_ffn": {"fused_ffn", "axis"},
     "fused_qkv_old": {"fused_qkv_old", "axis", "num_heads", "num_key_value_groups"},
     "fused_qkv": {"fused_qkv", "axis", "num_heads", "num_key_value_groups"},
+    "fused_in_proj": {"fused_in_proj", "axis", "tp_probe_key"},
 }
 
 
@@ -50,9 +51,10 @@ class FreshNames:
 
     A macro's pieces live under a prefix that no such name starts with (`fused_ffn_tmp.`,
     else `fused_ffn_tmp_1.`, ...); a transposed view is `X_transpose_tmp` unless that is
-    taken (then `X_transpose_tmp_1`, ...). Pieces end in digits and views in `_tmp` or a
-    number after it, so the families cannot meet either. Names are reused from statement
-    to statement: each statement's pieces are joined before the next statement runs."""
+    taken (then `X_transpose_tmp_1`, ...). A piece is its prefix, a letter or two and a
+    number; a view ends in `_transpose_tmp` or a number after it: the two never meet.
+    Names are reused from statement to statement: each statement's pieces are joined
+    before the next statement runs."""
 
     def __init__(self, program: Program, ctx: CompileContext) -> None:
         self._program = program
@@ -61,19 +63,31 @@ class FreshNames:
         self._views: dict[str, str] = {}
 
     @functools.cached_property
-    def taken(self) -> frozenset[str]:
-        """Every name the program writes or reads, and every key of both checkpoints."""
-        ctx = self._ctx
-        names = {n.base for s in self._program.statements for n in (*s.left, *s.right)}
-        names.update(ctx.source, ctx.source_keys, ctx.destination or (), ctx.destination_keys)
-        return frozenset(names)
+    def _program_names(self) -> frozenset[str]:
+        """The names the program reads and writes. Instances set aside by share_instances
+        bind no name (their outputs are their kept one's), so they need not be asked."""
+        return frozenset([n.base for s in self._program.statements for n in (*s.left, *s.right)])
+
+    @functools.cached_property
+    def _names_in_use_text(self) -> str:
+        """The program's names and the model-state keys of both checkpoints (an optimizer
+        state's key is its parameter's and a suffix no piece or view name ends in), each
+        after a newline: a prefix is then looked for at C speed (a big model has a hundred
+        thousand keys). A key holding a newline can only make a prefix look taken."""
+        names = itertools.chain(self._program_names, self._ctx.source_keys,
+                                self._ctx.destination_keys)
+        return "\n" + "\n".join(names)
+
+    def _in_use(self, name: str) -> bool:
+        return (name in self._program_names or name in self._ctx.source_keys
+                or name in self._ctx.destination_keys)
 
     def prefix(self, stem: str) -> str:
-        """`stem.` or `stem_N.`: a prefix no taken name starts with."""
+        """`stem.` or `stem_N.`: a prefix no name in use starts with."""
         prefix = self._prefixes.get(stem)
         if prefix is None:
             prefix, number = f"{stem}.", 0
-            while any(name.startswith(prefix) for name in self.taken):
+            while f"\n{prefix}" in self._names_in_use_text:
                 number += 1
                 prefix = f"{stem}_{number}."
             self._prefixes[stem] = prefix
@@ -84,7 +98,7 @@ class FreshNames:
         name = self._views.get(base)
         if name is None:
             name, number = base + TRANSPOSE_SUFFIX, 0
-            while name in self.taken:
+            while self._in_use(name):
                 number += 1
                 name = f"{base}{TRANSPOSE_SUFFIX}_{number}"
             self._views[base] = name
@@ -363,6 +377,52 @@ class _Fuser:
                      "the key/value heads up to one first), or lay the tensor out over fewer "
                      "shards; --lenient (strict=False) writes it as Paddle does."))
 
+    # fused_in_proj -----------------------------------------------------------------------
+    def fused_in_proj(self, written: Statement, s: Statement, flag: Attribute, axis: int):
+        """PaddleFormers 1.2.0's macro for Qwen3.5's linear attention (it registers it in
+        Paddle's macro table; Paddle 3.3.1 has none): `a, b, ... -> fused, fused_in_proj,
+        axis=A, tp_probe_key=KEY` cuts each source into as many equal pieces as KEY (else
+        the destination) has shards and lays them out rank by rank, [a_r, b_r, ...] for
+        each r, so that a plain split gives every rank its share of every part, however
+        unequal the parts. One shard: the parts one after the other."""
+        span = flag.span
+        if len(s.left) < 2 or len(s.right) != 1:
+            raise MacroError("fused_in_proj takes `a, b, ... -> fused` (two sources or more)",
+                             s.span, hint="Split a fused tensor back with a statement per "
+                                          "part size (its parts may differ in size).")
+        if self.ctx.reverse:
+            raise MacroError("fused_in_proj cannot run backwards: its parts may differ in "
+                             "size, and the fused tensor does not say where one ends", span,
+                             hint="Write the way back as splits into equal chunks and "
+                                  "concats of them, as PaddleFormers' inverse does.")
+        shards = self._probe_count(written, s)
+        if shards == 1:
+            return [self._plain_concat(s, "fused_in_proj", axis, span)]
+        if shards * len(s.left) > MAX_MACRO_NAMES:
+            raise MacroError(f"fused_in_proj of {len(s.left)} parts over {shards} shards "
+                             f"makes more than {MAX_MACRO_NAMES} pieces", span)
+        prefix = self.fresh.prefix("fused_in_proj_tmp")
+        pieces = [[f"{prefix}P{i}_{r}" for r in range(shards)] for i in range(len(s.left))]
+        return [*(self._make(s, "fused_in_proj", [whole], names, axis, span)
+                  for whole, names in zip(s.left, pieces)),
+                self._make(s, "fused_in_proj", [pieces[i][r] for r in range(shards)
+                                                for i in range(len(s.left))],
+                           [s.right[0]], axis, span)]
+
+    def _probe_count(self, written: Statement, s: Statement) -> int:
+        """Shards of the destination key `tp_probe_key` names; without one, of the
+        statement's own destination. A key with no shard information counts 1, as in
+        PaddleFormers."""
+        probe = s.attribute("tp_probe_key")
+        if probe is None:
+            return self._count(written, written.right[0])
+        if not isinstance(probe.value, str):
+            raise MacroError(f"tp_probe_key names a key, not {probe.value!r}", probe.span)
+        count, counts = shard_count(self.ctx.destination, probe.value)
+        if count is None and counts:
+            raise MacroError(f"the shard counts of '{probe.value}' and its optimizer states "
+                             f"differ ({counts})", probe.span)
+        return count or 1
 
 def run(chained: ChainedProgram, ctx: CompileContext) -> Program:
     program = chained.program

@@ -22,7 +22,7 @@ from lark import (
 from lark.exceptions import VisitError
 
 from aoa.errors import AoaSyntaxError, UsageError, quote
-from aoa.ir import FLAG_ATTRIBUTES, Attribute, Name, Program, Statement
+from aoa.ir import FLAG_ATTRIBUTES, NAME_ATTRIBUTES, Attribute, Name, Program, Statement
 from aoa.limits import MAX_NUMBER_DIGITS
 from aoa.passes.context import CompileContext
 from aoa.source import SourceText, Span
@@ -88,8 +88,18 @@ class _ToIR(Transformer):
         (token,) = children
         return (str(token)[1:-1], token)
 
+    def word(self, children):
+        (token,) = children
+        return (str(token), token)
+
     def attribute(self, children):
         key, (value, value_token) = children
+        if value_token.type == "IDENTIFIER" and str(key) not in NAME_ATTRIBUTES:
+            raise AoaSyntaxError(
+                f"expected a number or a string after '{key}=', got {quote(str(value_token))}",
+                _span(self.source, value_token),
+                hint="Only " + ", ".join(sorted(NAME_ATTRIBUTES)) + " takes a key as its "
+                     "value; quote a string: `dtype='float32'`.")
         return Attribute(str(key), value, _span(self.source, key, value_token))
 
     def left(self, children):

@@ -378,7 +378,9 @@ class Planner:
                        for i in source_index.ids(read_keys[slot], positions)]
             copies.add(start, key_copies, ids)
         if targets is None:
-            self._note_unused_sources({shard.key for shard in source_index.shards})
+            # a key dropped with `key -> _` is used as written, not forgotten
+            self._note_unused_sources({shard.key for shard in source_index.shards}
+                                      | set(self.state.removed))
         notes = [note.render() for note in self.ctx.notes]
         return Plan(source_index.shards, destinations, copies, notes, untouched)
 

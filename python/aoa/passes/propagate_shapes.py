@@ -15,11 +15,19 @@ from collections.abc import Sequence
 from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS
 from aoa.errors import ShapeError, ValidationError, quote
-from aoa.ir import NOTHING, Attribute, Name, Program, SharedInstances, Statement
+from aoa.ir import (
+    FLAG_ATTRIBUTES,
+    NOTHING,
+    PER_SHARD_FLAGS,
+    Attribute,
+    Name,
+    Program,
+    SharedInstances,
+    Statement,
+)
 from aoa.layout import split_optimizer_suffix
 from aoa.limits import MAX_NUMBER_DIGITS, MAX_PIECES
 from aoa.passes.context import CompileContext
-from aoa.passes.expand_fused import FUSED_MACROS, PER_SHARD_MACROS
 from aoa.symbolic import InputTensors, Permute, SymbolicTensors, Tensor
 
 NAME = "propagate_shapes"
@@ -130,7 +138,7 @@ class _Machine:
             axis = self.axis(statement, source, attributes)
             if source.shape[axis] % len(right):
                 origin = statement.origin
-                if origin is not None and origin.macro in FUSED_MACROS:
+                if origin is not None and origin.macro in FLAG_ATTRIBUTES:
                     # a part the user named, cut into heads or per-shard pieces
                     (written,) = _as_written(origin.statement, left, self.reverse)
                     what = f"{origin.macro} cannot cut '{written}'"
@@ -149,7 +157,7 @@ class _Machine:
             tensors = [self.ref(name, statement) for name in left]
             axis = self.axis(statement, tensors[0], attributes)
             self.check_concat(statement, left, tensors, axis)
-            if statement.origin is not None and statement.origin.macro in PER_SHARD_MACROS:
+            if statement.origin is not None and statement.origin.macro in PER_SHARD_FLAGS:
                 self.check_fused_pieces(statement, tensors, axis)
             self.check_pieces(sum(len(t.piece_map.pieces) for t in tensors), statement)
             self.bind(right[0], concat(tensors, axis), statement)

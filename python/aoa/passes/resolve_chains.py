@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aoa.errors import ChainError
-from aoa.ir import FLAG_ATTRIBUTES, NOTHING, Program, Statement
+from aoa.ir import FLAG_ATTRIBUTES, NOTHING, PER_SHARD_FLAGS, Program, Statement
 from aoa.layout import shard_count
 from aoa.passes.context import CompileContext
 from aoa.source import Span
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from aoa.printer import Printer
 
 NAME = "resolve_chains"
-#: The fused macros that lay their fused tensor out shard by shard.
-PER_SHARD_FLAGS = frozenset({"fused_ffn", "fused_qkv_old"})
 
 
 def _fused_flag(statement: Statement) -> str | None:

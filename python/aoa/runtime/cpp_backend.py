@@ -33,8 +33,8 @@ def execute_copies(
     """
     if threads is None:
         threads = usable_cpus()
-    if threads < 1:
-        raise UsageError(f"threads must be at least 1, not {threads}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise UsageError(f"threads must be a whole number from 1, not {threads!r}")
     table = pack(copies)
     try:
         _core.execute_copies(table, list(sources), list(destinations), threads)

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from aoa.errors import StorageError
+from aoa.dtypes import itemsize
+from aoa.errors import StorageError, quote
 from aoa.layout import ShardDesc, distinct_boxes, tiling_fault
+from aoa.limits import shape_problem
 
 
 class Chunk(NamedTuple):
@@ -34,15 +36,29 @@ def key_shards(key: str, chunks: Sequence[Chunk],
     ``global_shape``: as the format records it; None: where the furthest chunk ends."""
     first = chunks[0]
     for chunk in chunks:
+        if len(chunk.global_offset) != len(chunk.local_shape):
+            raise StorageError(f"tensor '{key}': chunk in {chunk.file} has global offset "
+                               f"{quote(list(chunk.global_offset))} and shape "
+                               f"{list(chunk.local_shape)} of different ranks")
         if chunk.dtype != first.dtype or len(chunk.local_shape) != len(first.local_shape):
             raise StorageError(
                 f"tensor '{key}' is {chunk.dtype} {list(chunk.local_shape)} in {chunk.file} but "
                 f"{first.dtype} {list(first.local_shape)} in {first.file}"
             )
+    ends = [tuple(start + size for start, size in zip(c.global_offset, c.local_shape,
+                                                     strict=True)) for c in chunks]
     if global_shape is None:
-        ends = [tuple(start + size for start, size in zip(c.global_offset, c.local_shape,
-                                                         strict=True)) for c in chunks]
         global_shape = tuple(map(max, zip(*ends, strict=True)))
+    problem = shape_problem(global_shape, itemsize(first.dtype))
+    if problem is not None:
+        raise StorageError(f"tensor '{key}': its global shape {quote(list(global_shape))} "
+                           f"{problem}; files: " + _files(chunks))
+    for chunk, end in zip(chunks, ends):
+        if len(end) != len(global_shape) or any(e > n for e, n in zip(end, global_shape)):
+            raise StorageError(
+                f"tensor '{key}': chunk at {quote(list(chunk.global_offset))} of shape "
+                f"{list(chunk.local_shape)} in {chunk.file} reaches past its global shape "
+                f"{list(global_shape)}")
     ordered = sorted(chunks, key=lambda chunk: chunk.global_offset)
     distinct = [ordered[i] for i in distinct_boxes(ordered)]
     check_tiling(key, global_shape, distinct)
@@ -63,6 +79,9 @@ def check_tiling(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> N
         )
     raise StorageError(
         f"tensor '{key}': its chunks cover {fault.covered} of the {fault.total} elements of "
-        f"its global shape {list(shape)}; files: "
-        + ", ".join(sorted({str(chunk.file) for chunk in chunks}))
+        f"its global shape {list(shape)}; files: " + _files(chunks)
     )
+
+
+def _files(chunks: Sequence[Chunk]) -> str:
+    return ", ".join(sorted({str(chunk.file) for chunk in chunks}))

@@ -27,8 +27,10 @@ from typing import Any
 import numpy as np
 
 from aoa.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, numpy_dtype
-from aoa.errors import StorageError
+from aoa.errors import StorageError, quote
+from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc
+from aoa.limits import shape_problem
 
 #: The reference implementation refuses headers larger than this, and so do we.
 MAX_HEADER_BYTES = 100_000_000
@@ -138,6 +140,11 @@ class SafetensorsFile:
 def _parse(path: Path, data: mmap.mmap) -> tuple[dict[str, str], dict[str, TensorInfo]]:
     """Metadata and tensors (in file order) of a mapped file, every claim checked."""
     (header_bytes,) = struct.unpack("<Q", data[:_LENGTH_BYTES])
+    implausible = header_bytes > MAX_HEADER_BYTES or _LENGTH_BYTES + header_bytes > len(data)
+    if implausible and data[_LENGTH_BYTES:_LENGTH_BYTES + 1] != b"{":
+        raise StorageError(f"{path}: not a safetensors file: {_looks_like(data[:16])}",
+                           hint="aoa reads safetensors files: an 8-byte header length, then "
+                                "a JSON header starting with '{'.")
     if header_bytes > MAX_HEADER_BYTES:
         raise StorageError(
             f"{path}: header of {header_bytes} bytes is over the limit of {MAX_HEADER_BYTES}"
@@ -147,11 +154,9 @@ def _parse(path: Path, data: mmap.mmap) -> tuple[dict[str, str], dict[str, Tenso
             f"{path}: truncated: header length {header_bytes} runs past the end of the file "
             f"({len(data)} bytes)"
         )
-    try:
-        text = data[_LENGTH_BYTES : _LENGTH_BYTES + header_bytes].decode("utf-8")
-        header = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise StorageError(f"{path}: header is not UTF-8 JSON: {error}") from None
+    text = decode(data[_LENGTH_BYTES : _LENGTH_BYTES + header_bytes], path, "header",
+                  StorageError)
+    header = load_json(text, f"{path}: header", StorageError, object_pairs_hook=_unique_keys)
     if not isinstance(header, dict):
         raise StorageError(f"{path}: header is not a JSON object")
 
@@ -187,6 +192,19 @@ def _parse(path: Path, data: mmap.mmap) -> tuple[dict[str, str], dict[str, Tenso
     return metadata, tensors
 
 
+def _looks_like(head: bytes) -> str:
+    """What a file that is not safetensors seems to be, from its first bytes."""
+    if head.startswith(b"PK\x03\x04"):
+        return "it is a zip archive (a PyTorch .bin or .pt file?)"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "it is a Python pickle (a PyTorch .bin file of an old format?)"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "it is JSON text (an index? give the checkpoint's folder)"
+    length = int.from_bytes(head[:_LENGTH_BYTES], "little")
+    return (f"its first 8 bytes, read as the header length, say {length} bytes, and no JSON "
+            f"header follows (it starts {head!r})")
+
+
 def _parse_metadata(path: Path, metadata: Any) -> dict[str, str]:
     if metadata is None:
         return {}
@@ -201,17 +219,22 @@ def _parse_entry(
     path: Path, name: str, entry: Any, data_bytes: int
 ) -> tuple[str, int, int, str, tuple[int, ...]]:
     """(name, begin, end, dtype, shape) of one header entry, checked against the data size."""
-    where = f"{path}: tensor '{name}'"
+    where = f"{path}: tensor {quote(name)}"
     if not isinstance(entry, dict) or set(entry) != _ENTRY_FIELDS:
         raise StorageError(f"{where}: entry must have exactly dtype, shape and data_offsets")
     code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if code not in SAFETENSORS_CODES:
+    if not isinstance(code, str) or code not in SAFETENSORS_CODES:
         known = " ".join(SAFETENSORS_CODES)
-        raise StorageError(f"{where}: unknown dtype {code!r} (known: {known})")
+        raise StorageError(f"{where}: unknown dtype {quote(code)} (known: {known})")
     if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
-        raise StorageError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        raise StorageError(f"{where}: shape {quote(shape)} is not a list of non-negative "
+                           "integers")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
-        raise StorageError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+        raise StorageError(f"{where}: data_offsets {quote(offsets)} is not [begin, end]")
+    dtype = SAFETENSORS_CODES[code]
+    problem = shape_problem(tuple(shape), itemsize(dtype))
+    if problem is not None:
+        raise StorageError(f"{where}: shape {quote(shape)} {problem}")
     begin, end = offsets
     if begin > end:
         raise StorageError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
@@ -220,7 +243,6 @@ def _parse_entry(
             f"{where}: truncated: data_offsets [{begin}, {end}] run past the end of the data "
             f"section ({data_bytes} bytes)"
         )
-    dtype = SAFETENSORS_CODES[code]
     expected = math.prod(shape) * itemsize(dtype)
     if end - begin != expected:
         raise StorageError(
@@ -239,13 +261,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
-            raise ValueError(f"key {key!r} appears twice")
+            raise ValueError(f"key {quote(key)} appears twice")
         result[key] = value
     return result
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
 
 
 #: Linux's MADV_POPULATE_WRITE (5.14+; Python 3.11's mmap module lacks the name).

@@ -14,11 +14,11 @@ checks are the same. The source says ``dcp-safetensors`` when any file carries s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
-from aoa.errors import StorageError
+from aoa.errors import StorageError, quote
+from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc
 from aoa.storage.chunks import Chunk, key_shards
 from aoa.storage.formats import Source
@@ -128,10 +128,7 @@ def _folder_files(folder: Path, required: bool = True) -> list[Path]:
 
 def _read_index(index: Path) -> dict[str, str]:
     """The weight map of an index file, checked to be an object of key -> file name."""
-    try:
-        content = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise StorageError(f"{index}: cannot read the index: {error}") from None
+    content = load_json(read_text(index, "index", StorageError), str(index), StorageError)
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(key, str) and isinstance(name, str) for key, name in weight_map.items()
@@ -200,10 +197,7 @@ def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
     if text is None:
         return {}
     where = f"{file.path}: {SHARDING_KEY}"
-    try:
-        info = json.loads(text)
-    except ValueError as error:
-        raise StorageError(f"{where} is not JSON: {error}") from None
+    info = load_json(text, where, StorageError)
     if not isinstance(info, dict):
         raise StorageError(f"{where} is not an object of key -> saved_offsets")
     offsets: dict[str, tuple[int, ...]] = {}
@@ -218,7 +212,7 @@ def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in saved)
         ):
             raise StorageError(
-                f"{where}: tensor '{key}' has saved_offsets {saved!r}, not {ndim} "
+                f"{where}: tensor '{key}' has saved_offsets {quote(saved)}, not {ndim} "
                 f"non-negative integers"
             )
         offsets[key] = tuple(saved)
