@@ -9,8 +9,9 @@ here) and, for reverse runs, what undoes it. The fused layouts use the shard cou
 stored tensor the fused tensor flows from or to (README, Decisions); a tensor between two
 fused statements is laid out as one shard.
 
-`draw_program(draw, reverse=..., derive=...)` returns a `Program`; `expected(program, arrays)`
-runs the ops forward (or backward, for a reverse run) over the source arrays.
+`programs()` is the hypothesis strategy of `Program`s; `expected(program, arrays)` runs the
+ops forward (or undoes them backwards, for a reverse run) over the arrays it reads. A
+forward merge over one shard is the parts' plain concat, whatever their sizes.
 """
 
 from __future__ import annotations
@@ -378,8 +379,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def lcm(*values: int) -> int:
-    return math.lcm(*values)
+lcm = math.lcm
 
 
 def axis_attribute(draw, axis: int) -> str:
