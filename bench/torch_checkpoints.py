@@ -20,7 +20,9 @@ write step in the process and skips the CUDA calls (the files are Megatron's own
 
 ``load-megatron`` reads a checkpoint with ``dist_checkpointing.load`` into whole tensors of
 the shapes and dtypes ``SPEC.json`` gives (``{key: [shape, dtype]}``) and writes ``OUT.npz``
-(bfloat16 as uint16): how the tests check a ``torch_dist`` checkpoint aoa wrote.
+(bfloat16 as uint16): how the tests check a ``torch_dist`` checkpoint aoa wrote. Sharded
+objects named in the spec's ``"@objects"`` (their unique keys, ``rng/shard_0_2``) are loaded
+too and written beside as ``OUT.objects.json`` (each value's ``repr``).
 
 Beside each checkpoint, ``expected.npz`` holds its global tensors (bfloat16 as uint16 bits).
 """
@@ -168,15 +170,20 @@ def save(kind: str, output: Path) -> None:
 def load_megatron(checkpoint: Path, spec: Path, out: Path) -> None:
     _patch_megatron_for_cpu()
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     _init(0, 1, _free_port())
     shapes = json.loads(spec.read_text())
-    state = {key: ShardedTensor.from_rank_offsets(
+    objects = shapes.pop("@objects", [])
+    state: dict = {key: ShardedTensor.from_rank_offsets(
         key, torch.zeros(shape, dtype=getattr(torch, dtype)))
         for key, (shape, dtype) in shapes.items()}
+    state |= {key: ShardedObject.empty_from_unique_key(key) for key in objects}
     loaded = dist_checkpointing.load(state, str(checkpoint))
     np.savez(out, **{key: bits(loaded[key]) for key in shapes})
+    if objects:
+        out.with_suffix(".objects.json").write_text(json.dumps(
+            {key: repr(loaded[key]) for key in objects}))
     torch.distributed.destroy_process_group()
 
 

@@ -132,10 +132,10 @@ def cmd_convert(args) -> int:
         return cmd_convert_model(args)
     if args.mapping is None:
         raise UsageError("convert needs a mapping (MAPPING.aoa) or a target (--to "
-                         "paddleformers, --to hf)")
-    for option in ("tp", "ep", "pp", "dtype", "mapping_file"):
+                         "paddleformers, --to megatron, --to hf)")
+    for option in ("tp", "ep", "pp", "dtype", "mapping_file", *_TARGET_OPTIONS):
         if getattr(args, option) is not None:
-            raise UsageError(f"--{option.replace('_file', '')} goes with --to")
+            raise UsageError(f"--{option.replace('_file', '').replace('_', '-')} goes with --to")
     from aoa.jobs.convert import execute, prepare
     from aoa.jobs.distributed import rank_share
     from aoa.mesh_layout import read_mesh_layout
@@ -176,6 +176,14 @@ def cmd_convert(args) -> int:
     return EXIT_OK
 
 
+#: Options of one target (`megatron`), as flags.
+_TARGET_OPTIONS = ("transformer_impl", "experts")
+
+
+def _options(args) -> dict[str, str | None]:
+    return {name: getattr(args, name) for name in _TARGET_OPTIONS}
+
+
 def _mesh(args):
     from aoa.models import Mesh
 
@@ -209,7 +217,7 @@ def cmd_convert_model(args) -> int:
         job = model_convert.plan_job(args.source, checkpoint, target=args.to,
                                      mesh=_mesh(args), dtype=args.dtype,
                                      mapping_file=args.mapping_file,
-                                     output_format=args.output_format,
+                                     output_format=args.output_format, options=_options(args),
                                      strict=not args.lenient)
         if args.dry_run:
             print(job.text)
@@ -239,7 +247,8 @@ def cmd_mapping(args) -> int:
     data = load_json(read_text(args.config, "config"), args.config)
     if not isinstance(data, dict):
         raise UsageError(f"{args.config}: expected a JSON object")
-    mapping = mapping_for(Config(data, args.config), args.to, _mesh(args), dtype=args.dtype)
+    mapping = mapping_for(Config(data, args.config), args.to, _mesh(args), dtype=args.dtype,
+                          options=_options(args))
     print(mapping.inverse() if args.inverse else mapping.forward, end="")
     if not args.inverse:
         print()
@@ -285,12 +294,21 @@ def _add_lenient(parser: argparse.ArgumentParser) -> None:
 
 def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
     parser.add_argument("--to", required=required,
-                        help="target layout: paddleformers, or hf (back to Hugging Face, "
-                             "from the folder's record); the family comes from config.json")
+                        help="target layout: paddleformers, megatron, or hf (back to Hugging "
+                             "Face, from the folder's record); the family comes from "
+                             "config.json")
     for name, what in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline")):
         parser.add_argument(f"--{name}", type=int, help=f"{what}-parallel degree (default 1)")
     parser.add_argument("--dtype", help="store the weights in this dtype (float32, bfloat16, "
                                         "float16; what the target keeps in float32 stays)")
+    parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
+                        help="with --to megatron: the modules the model is built from, as "
+                             "Megatron's flag (default transformer_engine: norms held by "
+                             "linear_qkv and linear_fc1)")
+    parser.add_argument("--experts", choices=("grouped", "sequential"),
+                        help="with --to megatron: experts as TEGroupedMLP (linear_fc1.weightN; "
+                             "the default with transformer_engine) or SequentialMLP "
+                             "(local_experts.N)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--output", required=True, help="destination folder (new or empty)")
     convert.add_argument("--output-format", metavar="FORMAT",
                          help="the output's format (default: safetensors for whole tensors, "
-                              "dcp-safetensors for a layout or shard list)")
+                              "dcp-safetensors for a layout or shard list, torch_dist for "
+                              "--to megatron)")
     where = convert.add_mutually_exclusive_group()
     where.add_argument("--layout", help="destination mesh and rules (TOML); without it and "
                                         "without --destination: full, unsharded tensors")

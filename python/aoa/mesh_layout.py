@@ -11,6 +11,14 @@ splits; a dimension a rule does not name replicates the tensor:
     match = "layers.*.self_attn.qkv_proj.weight"   # shell-style pattern over destination keys
     tp = 1                                          # tp splits axis 1
 
+An axis made of equal blocks side by side (Megatron's ``linear_fc1``: gate rows, then up
+rows) can be split block by block, so each rank holds its part of every block, as Megatron's
+gated MLP is split under tensor parallelism (rank r: gate part r and up part r):
+
+    [[rule]]
+    match = "decoder.layers.*.mlp.linear_fc1.weight"
+    tp = { axis = 0, blocks = 2 }
+
 A mesh dimension can also place whole tensors instead of splitting them (expert and
 pipeline parallelism): the tensor lives only on the ranks of one position along it.
 
@@ -89,6 +97,7 @@ class Rule:
     match: str
     axes: dict[str, int]  # mesh dimension -> tensor axis it splits
     places: dict[str, Placement] = field(default_factory=dict)  # mesh dimension -> placement
+    blocks: dict[int, int] = field(default_factory=dict)  # axis -> equal blocks, each split
 
 
 @dataclass(frozen=True)
@@ -158,26 +167,35 @@ class MeshLayout:
             per_axis: dict[int, int] = {}
             for name, axis in axes.items():
                 per_axis[axis] = per_axis.get(axis, 1) * self.mesh[name]
+            blocks = {axis: rule.blocks.get(axis, 1) if rule else 1 for axis in per_axis}
             for axis, parts in per_axis.items():
-                if shape[axis] % parts:
+                if shape[axis] % (parts * blocks[axis]):
+                    what = (f"{blocks[axis]} blocks of " if blocks[axis] > 1 else "")
                     raise UsageError(f"{self.source}: '{key}' has {shape[axis]} on axis {axis}, "
-                                     f"which does not split into {parts} equal shards")
+                                     f"which does not split into {what}{parts} equal shards")
             shards = by_key.setdefault(key, [])
             for rank, position in enumerate(self.coordinates()):
                 if any(position[name] != owner for name, owner in owners.items()):
                     continue
-                local, offset = list(shape), [0] * len(shape)
+                local, start = list(shape), [0] * len(shape)
                 # Dimensions that split the same axis nest in mesh order (the first is outer).
                 for axis, parts in per_axis.items():
-                    local[axis] = shape[axis] // parts
+                    local[axis] = shape[axis] // (parts * blocks[axis])
                     index = 0
                     for name, split_axis in axes.items():
                         if split_axis == axis:
                             index = index * self.mesh[name] + position[name]
-                    offset[axis] = index * local[axis]
-                shards.append(ShardDesc(key, tuple(local), tuple(shape), tuple(offset), dtype))
-                by_rank[rank].append(count)
-                count += 1
+                    start[axis] = index * local[axis]
+                # A rank holds its part of each block of a blocked axis: one shard per block.
+                block_axes = [axis for axis in per_axis if blocks[axis] > 1]
+                for block in itertools.product(*(range(blocks[axis]) for axis in block_axes)):
+                    offset = list(start)
+                    for axis, number in zip(block_axes, block):
+                        offset[axis] += number * shape[axis] // blocks[axis]
+                    shards.append(ShardDesc(key, tuple(local), tuple(shape), tuple(offset),
+                                            dtype))
+                    by_rank[rank].append(count)
+                    count += 1
         if strict:
             self._check_rules_decide(decided, outputs)
         return MeshShards(by_key, by_rank)
@@ -227,7 +245,9 @@ def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
     for i, rule in enumerate(data.get("rule", [])):
         if not isinstance(rule, Mapping) or not isinstance(rule.get("match"), str):
             raise UsageError(f"{source}: rule {i + 1} needs match = \"key pattern\"")
-        axes, places = {}, {}
+        axes: dict[str, int] = {}
+        places: dict[str, Placement] = {}
+        blocks: dict[int, int] = {}
         for name, value in rule.items():
             if name == "match":
                 continue
@@ -235,20 +255,34 @@ def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
             if name not in mesh:
                 raise UsageError(f"{where} names '{name}', which is not a mesh dimension "
                                  f"({', '.join(mesh)})")
-            if isinstance(value, (str, Mapping)):
+            if isinstance(value, Mapping) and "axis" in value:
+                axes[name], count = _blocked_axis(value, f"{where}: {name}")
+                if blocks.setdefault(axes[name], count) != count:
+                    raise UsageError(f"{where}: axis {axes[name]} is given two block counts")
+            elif isinstance(value, (str, Mapping)):
                 places[name] = _placement(value, f"{where}: {name}")
             elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 axes[name] = value
             else:
                 raise UsageError(f"{where}: {name} must be the axis it splits (a number from "
-                                 "0) or a placement (\"first\", \"last\" or "
-                                 "{ number_after = \"...\", of = N })")
-        rules.append(Rule(rule["match"], axes, places))
+                                 "0, or { axis = A, blocks = B }) or a placement (\"first\", "
+                                 "\"last\" or { number_after = \"...\", of = N })")
+        rules.append(Rule(rule["match"], axes, places, blocks))
     extra = set(data) - {"mesh", "rule"}
     if extra:
         raise UsageError(f"{source}: unknown table(s) {', '.join(sorted(extra))}; a layout "
                          "has [mesh] and [[rule]]")
     return MeshLayout(dict(mesh), tuple(rules), source)
+
+
+def _blocked_axis(value: Mapping, where: str) -> tuple[int, int]:
+    axis, blocks = value.get("axis"), value.get("blocks", 1)
+    if set(value) - {"axis", "blocks"} or not isinstance(axis, int) \
+            or not isinstance(blocks, int) or isinstance(axis, bool) \
+            or isinstance(blocks, bool) or axis < 0 or blocks < 1:
+        raise UsageError(f"{where}: an axis split block by block is {{ axis = A, blocks = B }} "
+                         "with A from 0 and B a positive count")
+    return axis, blocks
 
 
 def _placement(value: str | Mapping, where: str) -> Placement:
@@ -270,6 +304,8 @@ def layout_text(layout: MeshLayout) -> str:
     lines = ["[mesh]"] + [f"{name} = {size}" for name, size in layout.mesh.items()]
     for rule in layout.rules:
         lines += ["", "[[rule]]", f'match = "{rule.match}"']
-        lines += [f"{name} = {axis}" for name, axis in rule.axes.items()]
+        lines += [f"{name} = {axis}" if rule.blocks.get(axis, 1) == 1 else
+                  f"{name} = {{ axis = {axis}, blocks = {rule.blocks[axis]} }}"
+                  for name, axis in rule.axes.items()]
         lines += [f"{name} = {place.to_toml()}" for name, place in rule.places.items()]
     return "\n".join(lines) + "\n"

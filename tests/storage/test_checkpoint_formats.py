@@ -6,6 +6,7 @@ framework saved."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from frameworks import MEGATRON_PYTHON
 
 from aoa.cli import main
 from aoa.dtypes import numpy_dtype
@@ -26,7 +28,6 @@ from aoa.storage.formats import open_source
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 BENCH = Path(__file__).parent.parent.parent / "bench"
 PADDLE_PYTHON = Path("/work/paddle-venv/bin/python")
-MEGATRON_PYTHON = Path("/work/megatron-venv/bin/python")
 
 #: fixture -> (detected format, expected.npz key suffix)
 SOURCES = {
@@ -139,6 +140,37 @@ def test_megatron_files_are_carried_over(tmp_path):
     assert torch.load(out / "common.pt", weights_only=True)["iteration"] == 7
 
 
+def _objects(folder: Path) -> dict[str, object]:
+    with open_source(folder) as source:
+        return {key: torch.load(io.BytesIO(data), weights_only=True)
+                for key, data in source.objects().items()}
+
+
+#: The objects the fixtures' frameworks saved beside the tensors.
+OBJECTS = {"dcp/tp2": {"step": 7},
+           "torch_dist/tp2": {"rng/shard_0_2": [{"seed": 0}], "rng/shard_1_2": [{"seed": 1}]}}
+
+
+@pytest.mark.parametrize("fixture", sorted(OBJECTS))
+def test_objects_are_read_and_carried_within_their_family(tmp_path, fixture):
+    assert _objects(FIXTURES / fixture) == OBJECTS[fixture]
+    for output_format in ("dcp", "torch_dist"):
+        out = convert(tmp_path, FIXTURES / fixture, output_format, "rows2")
+        assert _objects(out) == OBJECTS[fixture]
+    out = convert(tmp_path, FIXTURES / fixture, "paddle", "rows2")
+    assert _objects(out) == {}
+
+
+def test_a_carried_step_count_loads_in_torch(tmp_path):
+    out = convert(tmp_path, FIXTURES / "dcp" / "tp2", "dcp", "grid4")
+    _, _, specs = assemble(out)
+    state: dict = {key: torch.zeros(shape, dtype=getattr(torch, dtype))
+                   for key, (shape, dtype) in specs.items()}
+    state["step"] = 0
+    dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    assert state["step"] == 7
+
+
 @pytest.mark.parametrize("fixture, layout", [
     ("dcp/tp2", None), ("dcp/tp2", "rows2"), ("torch_dist/fsdp4", "rows2"),
     ("paddle/single", None), ("paddle/flat4", "rows2")])
@@ -174,18 +206,23 @@ def test_converted_to_paddle_loads_in_paddle(tmp_path, fixture):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MEGATRON_PYTHON.exists(), reason="Megatron-Core venv not here")
-@pytest.mark.parametrize("fixture", ["paddle/tp2", "dcp/fsdp4"])
+@pytest.mark.skipif(MEGATRON_PYTHON is None, reason="Megatron-Core venv not here")
+@pytest.mark.parametrize("fixture", ["paddle/tp2", "dcp/fsdp4", "torch_dist/tp2"])
 def test_converted_to_torch_dist_loads_in_megatron(tmp_path, fixture):
     out = convert(tmp_path, FIXTURES / fixture, "torch_dist", "rows2")
     _, _, specs = assemble(out)
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({key: [list(shape), dtype] for key, (shape, dtype)
-                                in specs.items()}))
+    objects = OBJECTS.get(fixture, {})
+    spec.write_text(json.dumps({**{key: [list(shape), dtype] for key, (shape, dtype)
+                                   in specs.items()}, "@objects": sorted(objects)}))
+    assert MEGATRON_PYTHON is not None
     _run_reference(MEGATRON_PYTHON, [str(BENCH / "torch_checkpoints.py"), "load-megatron",
                                      str(out), str(spec), str(tmp_path / "back.npz")])
     with np.load(tmp_path / "back.npz") as back:
         assert {key: back[key].tobytes() for key in back.files} == expected(fixture)
+    if objects:
+        loaded = json.loads((tmp_path / "back.objects.json").read_text())
+        assert loaded == {key: repr(value[0]) for key, value in objects.items()}
 
 
 def test_torch_bin_with_tied_and_transposed_tensors(tmp_path):
@@ -222,6 +259,32 @@ def test_sharded_bin_with_index(tmp_path):
                        "b": torch.arange(4.0).numpy().tobytes()}
 
 
+def _sharded_bin(folder: Path, weight_map: dict[str, str], extra: bool = False) -> Path:
+    folder.mkdir()
+    torch.save({"a": torch.ones(2, 3)}, folder / "pytorch_model-00001-of-00002.bin")
+    second = {"b": torch.arange(4.0)} | ({"c": torch.zeros(1)} if extra else {})
+    torch.save(second, folder / "pytorch_model-00002-of-00002.bin")
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": weight_map}))
+    return folder / "pytorch_model.bin.index.json"
+
+
+def test_a_bin_index_that_disagrees_with_its_files_is_refused(tmp_path):
+    first, second = "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"
+    for case, weight_map, key, name in (("wrong file", {"a": second, "b": second}, "a", second),
+                                        ("not stored", {"a": first, "z": second}, "z", second)):
+        index = _sharded_bin(tmp_path / case, weight_map)
+        with pytest.raises(StorageError) as caught:
+            open_source(index.parent)
+        assert caught.value.message == (f"{index}: says tensor '{key}' is in '{name}', which "
+                                        "does not hold it")
+    index = _sharded_bin(tmp_path / "unnamed", {"a": first, "b": second}, extra=True)
+    with pytest.raises(StorageError) as caught:
+        open_source(index.parent)
+    assert caught.value.message == (f"{index.parent / second}: tensor 'c' is not in the index "
+                                    f"{index}")
+
+
 # -------------------------------------------------------------------------------- bad input
 
 
@@ -242,6 +305,9 @@ BAD = {  # case: (fixture, how to break it, the message's start after the folder
                            "__1_0.distcp: truncated"),
     "dcp missing data file": ("dcp/fsdp4", lambda f: (f / "__3_0.distcp").unlink(),
                               ".metadata: names data file '__3_0.distcp'"),
+    "dcp truncated object": ("dcp/tp2", lambda f: _truncate(f / "__1_0.distcp", 1000),
+                             "__1_0.distcp: truncated: the object 'step' needs bytes "
+                             "[0, 1261) of a file of 1000"),
     "torch_dist truncated metadata": ("torch_dist/tp2",
                                       lambda f: _truncate(f / ".metadata", 500),
                                       ".metadata: truncated"),

@@ -11,27 +11,34 @@ through the source files' mappings.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from aoa.errors import UsageError
 from aoa.jobs.job import Job, ShardInfo, derived_outputs, plan_job
+from aoa.layout import ShardDesc
 from aoa.mapping import MappingText, as_mapping
 from aoa.mesh_layout import MeshLayout
 from aoa.plan import Plan
 from aoa.storage.folder import remove
 from aoa.storage.formats import Destination, Format, OutputFile, Source, format_named
+from aoa.storage.stacked import Stacking, stack_shards
 
 
 @dataclass
 class Conversion:
-    """What a conversion will write (or wrote): the job, the destination format and files."""
+    """What a conversion will write (or wrote): the job, the destination format and files.
+    ``stored``: the destination shards as the format stores them, where their keys are
+    stacked (`aoa.storage.stacked`; same order and bytes as the plan's); ``objects``: the
+    items that are not tensors to write (None: the source's, where the format holds them)."""
 
     job: Job
     format: Format
     files: list[OutputFile]
     seconds: float = 0.0
+    stored: list[ShardDesc] | None = None
+    objects: dict[str, bytes] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -45,11 +52,21 @@ class Conversion:
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
 
+    @property
+    def shards(self) -> list[ShardDesc]:
+        """The destination shards as the files hold them."""
+        return self.stored if self.stored is not None else self.plan.destinations
+
     def destination(self, output: str | Path) -> Destination:
-        """The output checkpoint in ``output``, in the conversion's format."""
-        assert self.format.destination is not None
-        return self.format.destination(output, self.plan.destinations, self.files,
-                                       self.job.source.extras())
+        """The output checkpoint in ``output``, in the conversion's format; the source's
+        objects are carried where the format holds the source format's objects."""
+        destination = self.format.destination
+        assert destination is not None
+        source = self.job.source
+        objects = self.objects
+        if objects is None:
+            objects = source.objects() if source.format in destination.objects_family else {}
+        return destination(output, self.shards, self.files, source.extras(), objects)
 
     def describe(self) -> str:
         assert self.format.destination is not None
@@ -60,7 +77,7 @@ class Conversion:
         for file in self.files:
             lines.append(f"  {file.filename}  {file.nbytes:,} bytes, {len(file.shards)} tensors")
             for index in file.shards:
-                shard = self.plan.destinations[index]
+                shard = self.shards[index]
                 where = ("" if shard.local_shape == shard.global_shape else
                          f" at {list(shard.global_offset)} of {list(shard.global_shape)}")
                 lines.append(f"    {shard.key}  {shard.dtype}  {list(shard.local_shape)}{where}")
@@ -98,13 +115,16 @@ def destination_shards(mapping: MappingText, source: ShardInfo, *,
 def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
             layout: MeshLayout | None = None, destination: ShardInfo | None = None,
             output_format: str | None = None, max_file_bytes: int | None = None,
+            stacking: Sequence[Stacking] = (), objects: Mapping[str, bytes] | None = None,
             strict: bool = True) -> Conversion:
     """Compile and plan; decide the destination shards and the files that hold them.
 
     No layout and no destination: full, unsharded tensors (``safetensors``, Hugging Face
     files, by default). A layout (mesh and rules) or a shard-info mapping: one file per rank
     (``dcp-safetensors`` by default). ``max_file_bytes``: the format's limit per file
-    (None: its default). ``strict`` (default) refuses likely mistakes in the mapping and
+    (None: its default). ``stacking``: store the destination keys stacked by these rules;
+    ``objects``: write these items that are not tensors (default: carry the source's where
+    the format holds them). ``strict`` (default) refuses likely mistakes in the mapping and
     the layout; False keeps Paddle's meaning (`aoa.passes.context.CompileContext`)."""
     mapping = as_mapping(mapping)
     format = format_named(output_format, "output") if output_format is not None else None
@@ -115,9 +135,11 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
                               "output")
     job = plan_job(mapping, source, by_key, strict=strict)
     assert format.destination is not None
-    files = format.destination.plan_files(job.plan.destinations, ranks,
+    stored = stack_shards(job.plan.destinations, stacking) if stacking else None
+    files = format.destination.plan_files(stored or job.plan.destinations, ranks,
                                           max_file_bytes=max_file_bytes)
-    return Conversion(job, format, files)
+    return Conversion(job, format, files, stored=stored,
+                      objects=None if objects is None else dict(objects))
 
 
 def execute(conversion: Conversion, output: str | Path, *, threads: int | None = None,

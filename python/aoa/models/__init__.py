@@ -1,6 +1,7 @@
 """The model library: from a Hugging Face config.json, the mapping between the Hugging Face
-layout and a training layout (`paddleformers`) as AOA text, the layout on a mesh, and the
-tensors the checkpoint must hold. One module per family; `base` holds what they share.
+layout and a training layout (`paddleformers`, `megatron`) as AOA text, the layout on a mesh,
+and the tensors the checkpoint must hold. One module per family; `base` holds what they
+share, `paddleformers` and `megatron` each target's conventions.
 
     from aoa.models import family_of, mapping_for
     mapping = mapping_for(json.load(open("config.json")), "paddleformers", Mesh(tp=4))
@@ -31,7 +32,7 @@ from aoa.models.mapping import DTYPES, ModelMapping, build
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
     deepseek_v3.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY, gemma3.FAMILY, phi3.FAMILY)
-TARGETS = ("paddleformers",)
+TARGETS = ("paddleformers", "megatron")
 
 
 def known_model_types() -> list[str]:
@@ -54,11 +55,12 @@ def family_of(config: Config) -> Family:
 
 def mapping_for(config: Mapping[str, Any] | Config, target: str, mesh: Mesh | None = None, *,
                 dtype: str | None = None, source_dtypes: Mapping[str, str] | None = None,
-                ) -> ModelMapping:
-    """The mapping of a config.json (a dict) onto ``target`` at the given degrees."""
+                options: Mapping[str, str | None] | None = None) -> ModelMapping:
+    """The mapping of a config.json (a dict) onto ``target`` at the given degrees;
+    ``options``: the target's own (`megatron`: transformer_impl, experts)."""
     cfg = config if isinstance(config, Config) else Config(config)
     return build(family_of(cfg), cfg, target, mesh or Mesh(), dtype=dtype,
-                 source_dtypes=source_dtypes)
+                 source_dtypes=source_dtypes, options=options)
 
 
 __all__ = ["DTYPES", "FAMILIES", "TARGETS", "Config", "Family", "Mesh", "ModelError",

@@ -15,6 +15,7 @@ from typing import Any
 
 from aoa.errors import AoaError
 from aoa.mesh_layout import Placement
+from aoa.storage.stacked import Stacking
 
 LAYER = "$LAYER_ID"
 EXPERT = "$EXPERT_ID"
@@ -277,6 +278,7 @@ class Split:
     tp: int | None = None
     ep: Placement | int | None = None
     pp: Placement | None = None
+    tp_blocks: int = 1  # the tp axis is this many equal blocks, each split (gate, up)
 
 
 def by_layer(layers: int) -> Placement:
@@ -296,11 +298,17 @@ LAST = Placement(where="last")
 
 @dataclass
 class TargetMapping:
-    """A family's mapping onto one target, before dtypes and degrees are applied."""
+    """A family's mapping onto one target, before dtypes and degrees are applied.
+    ``stacking`` and ``objects``: how the target's own checkpoint format stores the keys and
+    which sharded objects it holds beside them (Megatron's `torch_dist`); ``options``: the
+    target's options as given (recorded with the conversion)."""
 
     steps: list[Step] = field(default_factory=list)
     splits: list[Split] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    stacking: list[Stacking] = field(default_factory=list)
+    objects: list[str] = field(default_factory=list)
+    options: dict[str, str] = field(default_factory=dict)
 
     def add(self, *steps: Step) -> None:
         self.steps.extend(steps)
@@ -314,5 +322,6 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     tensors: Callable[[Config], dict[str, Expected]]
-    targets: Mapping[str, Callable[[Config, Mesh], TargetMapping]]
+    #: target -> its mapping for a config and mesh (and the target's options, by keyword)
+    targets: Mapping[str, Callable[..., TargetMapping]]
     summary: str = ""

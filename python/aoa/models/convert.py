@@ -3,7 +3,8 @@ the layout from the model library, the conversion from `aoa.jobs.convert`.
 
 Three directions, told apart by the source folder and ``--to``:
 
-* a Hugging Face folder `--to paddleformers`: forward, at the degrees asked for;
+* a Hugging Face folder `--to paddleformers` or `--to megatron`: forward, at the degrees
+  asked for;
 * a folder this job wrote `--to hf`: back to Hugging Face, from its record alone;
 * a folder this job wrote `--to` its own target: laid out again at other degrees (fused
   layouts that depend on the degree are re-interleaved, never copied as they lie).
@@ -11,8 +12,14 @@ Three directions, told apart by the source folder and ``--to``:
 Before a byte moves, the source must hold exactly the tensors its family has for this config
 (a missing key, an unknown key or a shape the config does not give is an error), and the
 output folder must be new or empty. The output holds the checkpoint, the config, tokenizer
-and generation files, and ``aoa-conversion.json``: family, target, mesh, dtype, the exact
-mapping text and aoa's version.
+and generation files, and ``aoa-conversion.json``: family, target, mesh, dtype, the target's
+options, the exact mapping text and aoa's version.
+
+A target's own format (`megatron`: ``torch_dist``, its default) stores the keys as the
+target's framework does (Megatron: stacked layers and experts, `aoa.storage.stacked`) with
+the sharded objects it expects beside them (``_extra_state``); the record keeps the stacking,
+and a folder read back is seen through it, one key per layer and expert. In any other format
+the keys are the mapping's own.
 """
 
 from __future__ import annotations
@@ -37,8 +44,13 @@ from aoa.models.base import Config, Expected, Mesh, ModelError
 from aoa.models.mapping import ModelMapping, build, template_dtypes, templates_of
 from aoa.record import RECORD, read_record
 from aoa.storage.formats import Source, open_source
+from aoa.storage.stacked import Stacking, UnstackedSource
+from aoa.storage.torch_dist import sharded_object
 
 HF = "hf"
+#: Each target's own checkpoint format: its default, and the one its stacking and sharded
+#: objects are for.
+OWN_FORMATS = {"megatron": "torch_dist"}
 #: Files beside the weights that a model folder needs, copied as they are.
 _SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -90,10 +102,11 @@ def check_output(output: Path) -> None:
 def plan_job(source: str | Path, checkpoint: Source, *, target: str,
              mesh: Mesh | None = None, dtype: str | None = None,
              mapping_file: str | Path | None = None, output_format: str | None = None,
-             strict: bool = True) -> Job:
+             options: Mapping[str, str | None] | None = None, strict: bool = True) -> Job:
     """Decide the direction, check the source against its family, make the text and the
-    layout, and prepare the conversion (nothing is written). ``strict``: as for
-    `aoa.jobs.convert.prepare` (the library's own mappings pass it; an edited one may not)."""
+    layout, and prepare the conversion (nothing is written). ``options``: the target's own
+    (`megatron`: transformer_impl, experts). ``strict``: as for `aoa.jobs.convert.prepare`
+    (the library's own mappings pass it; an edited one may not)."""
     source = Path(source)
     if target not in (*TARGETS, HF):
         raise UsageError(f"--to {target}: choose one of {', '.join((*TARGETS, HF))}")
@@ -105,18 +118,27 @@ def plan_job(source: str | Path, checkpoint: Source, *, target: str,
             raise UsageError(f"{source}: not a folder aoa converted (no {RECORD}); it is "
                              "already in Hugging Face layout")
         return _forward(cfg, family, checkpoint, target, mesh or Mesh(), dtype, mapping_file,
-                        output_format, strict)
+                        output_format, options or {}, strict)
     if record["family"] != family.name:
         raise ModelError(f"{source / RECORD}: records family '{record['family']}', but "
                          f"config.json is of family '{family.name}'")
+    given = {name: value for name, value in (options or {}).items() if value is not None}
+    checkpoint = _unstacked(checkpoint, record)
     if target == HF:
-        if mesh is not None or dtype is not None or mapping_file is not None:
+        if mesh is not None or dtype is not None or mapping_file is not None or given:
             raise UsageError("--to hf takes everything from the record; give no --tp, --ep, "
-                             "--pp, --dtype or --mapping")
+                             "--pp, --dtype, --mapping or target options")
         return _inverse(cfg, family, checkpoint, record, output_format, strict)
     if target != record["target"]:
         raise UsageError(f"{source} holds the {record['target']} layout; convert it --to hf "
                          f"first, then --to {target}")
+    recorded = record.get("options", {})
+    changed = sorted(name for name, value in given.items() if recorded.get(name) != value)
+    if changed:
+        raise UsageError(f"{source} was written with "
+                         + ", ".join(f"--{n.replace('_', '-')} {recorded.get(n)}"
+                                     for n in changed)
+                         + f"; convert it --to hf first, then --to {target} with other options")
     return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype, output_format,
                     strict)
 
@@ -168,7 +190,7 @@ def copy_side_files(source: Path, output: Path) -> None:
 
 def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
              dtype: str | None, mapping_file: str | Path | None, output_format: str | None,
-             strict: bool) -> Job:
+             options: Mapping[str, str | None], strict: bool) -> Job:
     info = checkpoint.shards
     absent = check_tensors(info, family.tensors(cfg.with_checkpoint(frozenset(info))), cfg,
                            family.name)
@@ -176,27 +198,56 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
              "of those layers; converted without them" for group in sorted(absent)]
     cfg = cfg.with_checkpoint(frozenset(info), sorted(absent))
     key_dtypes = {key: shards[0].dtype or "float32" for key, shards in info.items()}
-    probe = build(family, cfg, target, mesh, dtype=dtype)
+    probe = build(family, cfg, target, mesh, dtype=dtype, options=options)
     reads = sorted({read for step in probe.steps for read in step.reads})
     source_dtypes = template_dtypes(reads, key_dtypes)
-    mapping = build(family, cfg, target, mesh, dtype=dtype, source_dtypes=source_dtypes)
+    mapping = build(family, cfg, target, mesh, dtype=dtype, source_dtypes=source_dtypes,
+                    options=options)
     text, origin = mapping.forward, "aoa.models"
     if mapping_file is not None:
         text, origin = _read_text(mapping_file), str(mapping_file)
+    output_format = output_format or OWN_FORMATS.get(target)
+    own = output_format is not None and output_format == OWN_FORMATS.get(target)
     conversion = prepare(MappingText(text, False, origin if mapping_file else
                                      "<aoa.models mapping>"),
                          checkpoint, layout=mapping.layout, output_format=output_format,
-                         strict=strict)
-    record = _record(mapping, text, origin, source_dtypes)
+                         strict=strict, **_stored_as(mapping, own))
+    record = _record(mapping, text, origin, source_dtypes, own)
     record["absent_groups"] = sorted(absent)
     return Job("forward", mapping, text, origin, mapping.layout, conversion, record, notes)
+
+
+def _stored_as(mapping: ModelMapping, own: bool, carried: Mapping[str, bytes] | None = None
+               ) -> dict[str, Any]:
+    """How a target's files store its keys: in its own format stacked and with its sharded
+    objects (those a source of that format holds, the others empty); else as they are."""
+    if not own:
+        return {"stacking": (), "objects": {}}
+    empty = sharded_object()
+    objects = {key: empty for key in mapping.objects}
+    objects.update(carried or {})
+    return {"stacking": mapping.stacking, "objects": objects}
+
+
+def _unstacked(checkpoint: Source, record: Mapping[str, Any]) -> Source:
+    """A folder written in its target's own format, seen one key per layer and expert."""
+    rules = record.get("stacking") or []
+    if not rules:
+        return checkpoint
+    try:
+        stacking = [Stacking.from_json(rule) for rule in rules]
+    except (TypeError, ValueError) as error:
+        raise ModelError(f"{checkpoint.path / RECORD}: its stacking is not valid: "
+                         f"{error}") from None
+    return UnstackedSource(checkpoint, stacking)
 
 
 def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
              output_format: str | None, strict: bool) -> Job:
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
-    mapping = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"))
+    mapping = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"),
+                    options=record.get("options"))
     _check_target(info, mapping, record, cfg)
     stored = _stored_dtypes(mapping, info)
     if record.get("mapping_origin", "aoa.models") == "aoa.models":
@@ -210,6 +261,7 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
                mapping=text, mapping_origin="aoa.models inverse" if not reverse else
                f"{record.get('mapping_origin')} (reversed)", layout=None)
     out["mesh"] = Mesh().to_json()
+    out.pop("stacking", None)
     return Job("inverse", mapping, text, out["mapping_origin"], None, conversion, out)
 
 
@@ -217,18 +269,24 @@ def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
              dtype: str | None, output_format: str | None, strict: bool) -> Job:
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
-    before = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"))
+    options = record.get("options")
+    before = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"),
+                   options=options)
     _check_target(info, before, record, cfg)
     if record.get("mapping_origin", "aoa.models") != "aoa.models":
         raise ModelError("this folder was written with an edited mapping; convert it --to hf "
                          "and then forward again with --mapping")
     mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"),
-                    source_dtypes=record["source_dtypes"])
+                    source_dtypes=record["source_dtypes"], options=options)
     text = mapping.reshard(_stored_dtypes(mapping, info))
+    output_format = output_format or OWN_FORMATS.get(mapping.target)
+    own = output_format is not None and output_format == OWN_FORMATS.get(mapping.target)
+    carried = checkpoint.objects() if checkpoint.format == output_format else {}
     conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
-                         layout=mapping.layout, output_format=output_format, strict=strict)
+                         layout=mapping.layout, output_format=output_format, strict=strict,
+                         **_stored_as(mapping, own, carried))
     # The record names the mapping from Hugging Face to what the folder now holds.
-    out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"])
+    out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"], own)
     out["absent_groups"] = record.get("absent_groups", [])
     out["resharded_with"] = text
     return Job("reshard", mapping, text, "aoa.models reshard", mapping.layout, conversion,
@@ -334,13 +392,20 @@ def _mesh(record: dict) -> Mesh:
     return Mesh(tp=mesh.get("tp", 1), ep=mesh.get("ep", 1), pp=mesh.get("pp", 1))
 
 
-def _record(mapping: ModelMapping, text: str, origin: str, source_dtypes: Mapping[str, str]
-            ) -> dict[str, Any]:
-    return {"aoa_version": aoa_version(), "family": mapping.name,
-            "model_type": mapping.model_type, "target": mapping.target,
-            "mesh": mapping.mesh.to_json(), "dtype": mapping.dtype, "mapping": text,
-            "mapping_origin": origin, "layout": layout_text(mapping.layout),
-            "source_dtypes": dict(sorted(source_dtypes.items()))}
+def _record(mapping: ModelMapping, text: str, origin: str, source_dtypes: Mapping[str, str],
+            own: bool = False) -> dict[str, Any]:
+    """What the output holds; ``own``: written in the target's own format (its stacking)."""
+    record: dict[str, Any] = {"aoa_version": aoa_version(), "family": mapping.name,
+                              "model_type": mapping.model_type, "target": mapping.target,
+                              "mesh": mapping.mesh.to_json(), "dtype": mapping.dtype,
+                              "mapping": text, "mapping_origin": origin,
+                              "layout": layout_text(mapping.layout),
+                              "source_dtypes": dict(sorted(source_dtypes.items()))}
+    if mapping.options:
+        record["options"] = dict(mapping.options)
+    if own and mapping.stacking:
+        record["stacking"] = [rule.to_json() for rule in mapping.stacking]
+    return record
 
 
 def _read_text(path: str | Path) -> str:

@@ -4,11 +4,14 @@ biases), tied or untied embeddings.
 paddleformers: PaddleFormers' LlamaForCausalLM keeps q, k, v, gate and up apart; every
 linear weight is transposed to [in, out]; a tied model gets lm_head as a copy of the
 embedding (and the way back drops it again).
+
+megatron: Megatron-Core's GPTModel (`aoa.models.megatron`); attention biases go to
+linear_qkv and linear_proj, MLP biases to linear_fc1 and linear_fc2.
 """
 
 from __future__ import annotations
 
-from aoa.models import decoder, paddleformers
+from aoa.models import decoder, megatron, paddleformers
 from aoa.models.base import (
     LAYER,
     Config,
@@ -58,5 +61,12 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
     return m
 
 
-FAMILY = Family("llama", ("llama", "mistral"), tensors, {"paddleformers": to_paddleformers},
+def megatron_decoder(cfg: Config) -> megatron.Decoder:
+    bias = cfg.flag("attention_bias")
+    return megatron.Decoder(qkv_bias=bias, o_bias=bias, mlp_bias=cfg.flag("mlp_bias"))
+
+
+FAMILY = Family("llama", ("llama", "mistral"), tensors,
+                {"paddleformers": to_paddleformers,
+                 "megatron": megatron.target(megatron_decoder)},
                 "Llama, Mistral: grouped-query attention, gated MLP")

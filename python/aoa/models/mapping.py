@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aoa.mesh_layout import MeshLayout, Rule
 from aoa.models.base import (
@@ -26,8 +26,11 @@ from aoa.models.base import (
     Step,
     TargetMapping,
 )
+from aoa.storage.stacked import Stacking
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: The options each target takes (by keyword, from the command line's flags).
+TARGET_OPTIONS = {"paddleformers": (), "megatron": ("transformer_impl", "experts")}
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,11 @@ class ModelMapping:
     forward: str
     layout: MeshLayout
     steps: tuple[Step, ...]
+    #: how the target's own format stores the keys, and the sharded objects it holds
+    #: (`TargetMapping`); the target's options
+    stacking: tuple[Stacking, ...] = ()
+    objects: tuple[str, ...] = ()
+    options: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -70,19 +78,40 @@ class ModelMapping:
 
 
 def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | None = None,
-          source_dtypes: Mapping[str, str] | None = None) -> ModelMapping:
+          source_dtypes: Mapping[str, str] | None = None,
+          options: Mapping[str, str | None] | None = None) -> ModelMapping:
     """The mapping of ``family`` onto ``target`` for this config, mesh and dtype.
     ``source_dtypes``: the dtype of each source key template, when a checkpoint is at hand
-    (casts that would change nothing are then left out)."""
+    (casts that would change nothing are then left out); ``options``: the target's own
+    (Megatron's transformer_impl and experts)."""
     if dtype is not None and dtype not in DTYPES:
         raise ModelError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if target not in family.targets:
+        others = sorted(_model_types_by_target().get(target, []))
         raise ModelError(f"the {family.name} family has no '{target}' target "
-                         f"(it has {', '.join(family.targets)})")
-    mapping = family.targets[target](cfg, mesh)
+                         f"(it has {', '.join(family.targets)})"
+                         + (f"; the model types with one: {', '.join(others)}" if others
+                            else ""))
+    given = {name: value for name, value in (options or {}).items() if value is not None}
+    unknown = sorted(set(given) - set(TARGET_OPTIONS.get(target, ())))
+    if unknown:
+        raise ModelError(f"--to {target} takes no option "
+                         f"{', '.join('--' + n.replace('_', '-') for n in unknown)}")
+    mapping = family.targets[target](cfg, mesh, **given)
     forward = _forward_text(family, cfg, target, mapping, dtype, source_dtypes or {})
     return ModelMapping(family, cfg, target, mesh, dtype, forward, layout(mapping, mesh),
-                        tuple(mapping.steps))
+                        tuple(mapping.steps), tuple(mapping.stacking), tuple(mapping.objects),
+                        dict(mapping.options))
+
+
+def _model_types_by_target() -> dict[str, list[str]]:
+    from aoa.models import FAMILIES  # the registry imports this module
+
+    found: dict[str, list[str]] = {}
+    for family in FAMILIES:
+        for target in family.targets:
+            found.setdefault(target, []).extend(family.model_types)
+    return found
 
 
 def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
@@ -108,8 +137,10 @@ def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
                 places["ep"] = split.ep
         if split.pp is not None and mesh.pp > 1:
             places["pp"] = split.pp
+        blocks = ({axes["tp"]: split.tp_blocks} if "tp" in axes and split.tp_blocks > 1
+                  else {})
         if axes or places:
-            rules.append(Rule(split.match, axes, places))
+            rules.append(Rule(split.match, axes, places, blocks))
     deciding = {next((i for i, rule in enumerate(rules)
                       if fnmatch.fnmatchcase(key, rule.match)), None) for key in written}
     return MeshLayout(dimensions, tuple(rule for i, rule in enumerate(rules) if i in deciding),

@@ -4,11 +4,14 @@ down) behind `block_sparse_moe`.
 paddleformers: PaddleFormers 1.2.0 has no Mixtral; it is laid out as its Qwen3-MoE, the same
 architecture without q/k norms: PaddleFleet names, q/k/v fused by key/value head, the router
 in float32 under `mlp.gate`, each expert's gate (w1) and up (w3) side by side in up_gate_proj.
+
+megatron: Megatron-Core's GPTModel (`aoa.models.megatron`): the router, each expert's w1
+and w3 as linear_fc1's gate and up rows, w2 as linear_fc2.
 """
 
 from __future__ import annotations
 
-from aoa.models import decoder, paddleformers
+from aoa.models import decoder, megatron, paddleformers
 from aoa.models.base import (
     EXPERT,
     LAYER,
@@ -61,5 +64,13 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
     return m
 
 
-FAMILY = Family("mixtral", ("mixtral",), tensors, {"paddleformers": to_paddleformers},
+def megatron_decoder(cfg: Config) -> megatron.Decoder:
+    layers = cfg.positive("num_hidden_layers")
+    return megatron.Decoder(sparse=[True] * layers, experts=cfg.positive("num_local_experts"),
+                            moe="block_sparse_moe.", expert_names=EXPERT_NAMES)
+
+
+FAMILY = Family("mixtral", ("mixtral",), tensors,
+                {"paddleformers": to_paddleformers,
+                 "megatron": megatron.target(megatron_decoder)},
                 "Mixtral: routed experts")

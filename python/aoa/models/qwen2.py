@@ -4,11 +4,13 @@ optional sliding-window layers (which change no weight).
 paddleformers: PaddleFormers builds Qwen2 with PaddleFleet: q, k, v fused into qkv_proj
 grouped by key/value head (biases too), gate and up fused per rank into up_gate_proj, the
 embedding under `model.embedding.`, the head at `model.lm_head.weight`.
+
+megatron: Megatron-Core's GPTModel (`aoa.models.megatron`) with q/k/v biases in linear_qkv.
 """
 
 from __future__ import annotations
 
-from aoa.models import decoder, paddleformers
+from aoa.models import decoder, megatron, paddleformers
 from aoa.models.base import LAYER, Config, Expected, Family, Mesh, TargetMapping, Tensors
 
 
@@ -39,5 +41,7 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
     return m
 
 
-FAMILY = Family("qwen2", ("qwen2",), tensors, {"paddleformers": to_paddleformers},
+FAMILY = Family("qwen2", ("qwen2",), tensors,
+                {"paddleformers": to_paddleformers,
+                 "megatron": megatron.target(lambda cfg: megatron.Decoder(qkv_bias=True))},
                 "Qwen2: attention with q/k/v biases, gated MLP")

@@ -5,11 +5,14 @@ experts, one shared expert and its sigmoid gate; dense layers where `mlp_only_la
 paddleformers: PaddleFleet names; the router and the shared expert's gate are kept in
 float32 (the gate transposed to [hidden, 1]); each expert's gate and up side by side in
 up_gate_proj; the shared expert fused per rank like a dense MLP and renamed shared_experts.
+
+megatron: Megatron-Core's GPTModel (`aoa.models.megatron`): the router, experts, the shared
+expert as shared_experts (its sigmoid gate as gate_weight); dense layers keep per-layer keys.
 """
 
 from __future__ import annotations
 
-from aoa.models import decoder, paddleformers
+from aoa.models import decoder, megatron, paddleformers
 from aoa.models.base import (
     EXPERT,
     LAYER,
@@ -88,5 +91,13 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
     return m
 
 
-FAMILY = Family("qwen2_moe", ("qwen2_moe",), tensors, {"paddleformers": to_paddleformers},
+def megatron_decoder(cfg: Config) -> megatron.Decoder:
+    return megatron.Decoder(qkv_bias=cfg.flag("qkv_bias", True), sparse=sparse_layers(cfg),
+                            experts=expert_count(cfg), shared_expert="shared_expert.",
+                            shared_gate="shared_expert_gate.weight")
+
+
+FAMILY = Family("qwen2_moe", ("qwen2_moe",), tensors,
+                {"paddleformers": to_paddleformers,
+                 "megatron": megatron.target(megatron_decoder)},
                 "Qwen2-MoE: routed experts, a gated shared expert")

@@ -4,11 +4,13 @@
 paddleformers: built with PaddleFleet like Qwen2; the q/k norms are named q_layernorm and
 k_layernorm. (PaddleFormers 1.2.0 writes no statement for `attention_bias` biases; they
 are fused like Qwen2's, and o_proj's kept whole, as its attention layer holds them.)
+
+megatron: Megatron-Core's GPTModel (`aoa.models.megatron`) with q_layernorm and k_layernorm.
 """
 
 from __future__ import annotations
 
-from aoa.models import decoder, paddleformers
+from aoa.models import decoder, megatron, paddleformers
 from aoa.models.base import LAYER, Config, Expected, Family, Mesh, TargetMapping, Tensors
 
 QK_NORMS = ("q_layernorm", "k_layernorm")
@@ -45,5 +47,12 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
     return m
 
 
-FAMILY = Family("qwen3", ("qwen3",), tensors, {"paddleformers": to_paddleformers},
+def megatron_decoder(cfg: Config) -> megatron.Decoder:
+    bias = cfg.flag("attention_bias")
+    return megatron.Decoder(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+FAMILY = Family("qwen3", ("qwen3",), tensors,
+                {"paddleformers": to_paddleformers,
+                 "megatron": megatron.target(megatron_decoder)},
                 "Qwen3: attention with q/k norms, gated MLP")

@@ -5,11 +5,14 @@ routed experts without a shared one; dense layers where `mlp_only_layers` or
 paddleformers: PaddleFleet names; the router kept in float32; each expert's gate and up side
 by side in up_gate_proj. (PaddleFormers 1.2.0 writes no statement for dense layers; they are
 fused like Qwen3's MLP.)
+
+megatron: Megatron-Core's GPTModel (`aoa.models.megatron`): q/k norms, the router, experts
+(grouped or sequential); dense layers among sparse ones keep per-layer keys.
 """
 
 from __future__ import annotations
 
-from aoa.models import decoder, paddleformers
+from aoa.models import decoder, megatron, paddleformers
 from aoa.models.base import (
     EXPERT,
     LAYER,
@@ -72,5 +75,13 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
     return m
 
 
-FAMILY = Family("qwen3_moe", ("qwen3_moe",), tensors, {"paddleformers": to_paddleformers},
+def megatron_decoder(cfg: Config) -> megatron.Decoder:
+    bias = cfg.flag("attention_bias")
+    return megatron.Decoder(qkv_bias=bias, o_bias=bias, qk_norm=True,
+                            sparse=sparse_layers(cfg), experts=expert_count(cfg))
+
+
+FAMILY = Family("qwen3_moe", ("qwen3_moe",), tensors,
+                {"paddleformers": to_paddleformers,
+                 "megatron": megatron.target(megatron_decoder)},
                 "Qwen3-MoE: routed experts, q/k norms")

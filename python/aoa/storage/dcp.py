@@ -11,12 +11,14 @@ A checkpoint is a folder of:
   (`aoa.storage.torch_save`), the archives back to back.
 
 Reading maps the data files and finds each chunk's bytes in its archive, in place. Objects
-saved as bytes (a step count, a data loader's state) are not tensors and are not read.
-Archives transformed by DCP's stream extensions (compression) are refused.
+saved as bytes (a step count, a data loader's state, Megatron's sharded objects) are read as
+the bytes they are stored as (`Source.objects`; never unpickled here), so a destination of
+the same family writes them back unchanged. Archives transformed by DCP's stream extensions
+(compression) are refused.
 
 Writing: one ``__{rank}_0.distcp`` per rank, one archive per shard, each aligned to 64 bytes
-and filled in place by the kernel; then ``.metadata``. A box held by several ranks is
-written once, as DCP's planner keeps one copy.
+and filled in place by the kernel, the objects after rank 0's archives; then ``.metadata``.
+A box held by several ranks is written once, as DCP's planner keeps one copy.
 """
 
 from __future__ import annotations
@@ -93,8 +95,19 @@ class DcpTensor:
     chunks: list[DcpChunk]
 
 
-def read_metadata(data: memoryview, where: Path) -> tuple[dict[str, DcpTensor], list[str]]:
-    """The tensors of the metadata pickle at ``where`` (every field checked), and the keys
+@dataclass(frozen=True)
+class DcpObject:
+    """An item saved as bytes, and where its bytes are."""
+
+    key: str
+    file: str
+    offset: int
+    length: int
+
+
+def read_metadata(data: memoryview, where: Path
+                  ) -> tuple[dict[str, DcpTensor], dict[str, DcpObject]]:
+    """The tensors of the metadata pickle at ``where`` (every field checked), and the items
     saved as bytes."""
     fields = unpickler.fields(unpickler.load(data, where, ALLOWED), f"{_MD}.Metadata", where,
                               "the metadata")
@@ -104,11 +117,14 @@ def read_metadata(data: memoryview, where: Path) -> tuple[dict[str, DcpTensor], 
                            "storage_data dicts")
     places = _storage_places(storage, where)
     tensors: dict[str, DcpTensor] = {}
-    objects: list[str] = []
+    objects: dict[str, DcpObject] = {}
     for key, entry in state.items():
         key = unpickler.string(key, where, "a key of state_dict_metadata")
         if unpickler.is_record(entry, f"{_MD}.BytesStorageMetadata"):
-            objects.append(key)
+            place = places.get((key, None))
+            if place is None:
+                raise StorageError(f"{where}: the object '{key}' has no entry in storage_data")
+            objects[key] = DcpObject(key, *place)
             continue
         tensors[key] = _tensor(key, entry, places, where)
     return tensors, objects
@@ -177,8 +193,10 @@ def _dtype(properties: Any, where: Path, what: str) -> str:
     return TORCH_DTYPES[value.name]
 
 
-def metadata_value(boxes: Sequence[tuple[ShardDesc, str, int, int]]) -> Build:
-    """The pickle of ``Metadata`` for (box, file name, archive offset, archive length)."""
+def metadata_value(boxes: Sequence[tuple[ShardDesc, str, int, int]],
+                   objects: Sequence[DcpObject] = ()) -> Build:
+    """The pickle of ``Metadata`` for (box, file name, archive offset, archive length) and
+    the objects saved as bytes."""
     layout = Call(Global("torch.serialization", "_get_layout"), ("torch.strided",))
     contiguous = Call(Global(_MD, "_MEM_FORMAT_ENCODING"), (0,))
     tensors: dict[str, dict[str, Any]] = {}
@@ -197,10 +215,17 @@ def metadata_value(boxes: Sequence[tuple[ShardDesc, str, int, int]]) -> Build:
             "index": len(entry["chunks"]) - 1})
         storage.append((index, Build(New(Global(_FS, "_StorageInfo")), {
             "relative_path": file, "offset": offset, "length": length})))
+    state: dict[str, Build] = {key: Build(New(Global(_MD, "TensorStorageMetadata")), entry)
+                               for key, entry in tensors.items()}
+    for item in objects:
+        state[item.key] = Build(New(Global(_MD, "BytesStorageMetadata")), {})
+        index = Build(New(Global(_MD, "MetadataIndex")), {
+            "fqn": item.key, "offset": None, "index": None})
+        storage.append((index, Build(New(Global(_FS, "_StorageInfo")), {
+            "relative_path": item.file, "offset": item.offset, "length": item.length})))
     return Build(New(Global(_MD, "Metadata")), {
-        "state_dict_metadata": {key: Build(New(Global(_MD, "TensorStorageMetadata")), entry)
-                                for key, entry in tensors.items()},
-        "planner_data": {key: (key,) for key in tensors},
+        "state_dict_metadata": state,
+        "planner_data": {key: (key,) for key in state},
         "storage_data": pickler.Pairs(tuple(storage)),
         "storage_meta": Build(New(Global(_MD, "StorageMeta")), {
             "checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None,
@@ -220,12 +245,16 @@ class DcpSource(Source[Stored]):
     """An open DCP checkpoint: the mapped data files and where each chunk's bytes lie."""
 
     def __init__(self, path: Path, format: str, metadata: Path, files: MappedFiles,
-                 stored: dict[str, list[tuple[ShardDesc, Stored]]], objects: list[str]) -> None:
+                 stored: dict[str, list[tuple[ShardDesc, Stored]]],
+                 objects: dict[str, DcpObject]) -> None:
         super().__init__(path, format, stored)
         self.metadata = metadata
-        #: keys saved as bytes objects (not tensors; not read)
-        self.objects = objects
+        self._objects = objects
         self._files = files
+
+    def objects(self) -> dict[str, bytes]:
+        return {key: bytes(self._files.open(self.metadata.parent / item.file).view(
+                    item.offset, item.length)) for key, item in self._objects.items()}
 
     def buffer(self, shard: ShardDesc) -> memoryview:
         return self.location(shard).buffer()
@@ -260,12 +289,25 @@ def open_dcp(path: Path, *, format: str = "dcp",
     try:
         tensors, objects = read_metadata(files.open(metadata_path).data, metadata_path)
         files.close()
+        for item in objects.values():
+            _check_object(item, metadata_path, files)
         stored = {key: _key_shards(tensor, metadata_path, files)
                   for key, tensor in tensors.items()}
         return source(folder, format, metadata_path, files, stored, objects)
     except BaseException:
         files.close()
         raise
+
+
+def _check_object(item: DcpObject, where: Path, files: MappedFiles) -> None:
+    path = where.parent / item.file
+    if not path.is_file():
+        raise StorageError(f"{where}: names data file '{item.file}' (for '{item.key}'), "
+                           "which does not exist")
+    size = files.open(path).size
+    if item.offset + item.length > size:
+        raise StorageError(f"{path}: truncated: the object '{item.key}' needs bytes "
+                           f"[{item.offset}, {item.offset + item.length}) of a file of {size}")
 
 
 def _key_shards(tensor: DcpTensor, where: Path,
@@ -314,6 +356,7 @@ class DcpDestination(Destination):
     format = "dcp"
     sharded = True
     patterns: ClassVar[tuple[str, ...]] = ("*.distcp", METADATA_NAME)
+    objects_family: ClassVar[frozenset[str]] = frozenset({"dcp", "torch_dist"})
 
     @classmethod
     def plan_files(cls, shards: Sequence[ShardDesc], ranks: Sequence[Sequence[int]] | None,
@@ -326,10 +369,10 @@ class DcpDestination(Destination):
 
     def _items(self) -> dict[str, tuple[list[_Item], int]]:
         """Each file's archives (a box held by several ranks only in the first file that
-        lists it) and the file's size."""
+        lists it) and the file's size; the first file's size includes the objects."""
         seen: set[tuple] = set()
         laid: dict[str, tuple[list[_Item], int]] = {}
-        for file in self.files:
+        for number, file in enumerate(self.files):
             items, position = [], 0
             for index in file.shards:
                 shard = self.shards[index]
@@ -341,8 +384,22 @@ class DcpDestination(Destination):
                                                        shard.local_shape)], base=position)
                 items.append(_Item(index, position, layout))
                 position += math.ceil(layout.nbytes / PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+            if number == 0:
+                position += sum(len(data) for data in self.objects.values())
             laid[file.filename] = (items, position)
         return laid
+
+    def _objects(self) -> list[DcpObject]:
+        """Where the objects go: one after another, after the first file's archives."""
+        if not self.objects or not self.files:
+            return []
+        first = self.files[0].filename
+        position = self._items()[first][1] - sum(len(d) for d in self.objects.values())
+        placed = []
+        for key, data in self.objects.items():
+            placed.append(DcpObject(key, first, position, len(data)))
+            position += len(data)
+        return placed
 
     def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
         folder = output_folder(self.folder)
@@ -359,6 +416,9 @@ class DcpDestination(Destination):
                     with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
                         list(pool.map(lambda item, view: item.layout.write(view), items,
                                       views))
+                    for item in self._objects():
+                        if item.file == file.filename:
+                            writer.view(item.offset, item.length)[:] = self.objects[item.key]
             return staging.commit()
 
     def commit(self) -> list[Path]:
@@ -366,7 +426,7 @@ class DcpDestination(Destination):
         boxes = [(self.shards[item.shard], name, item.offset, item.layout.nbytes)
                  for name, (items, _) in self._items().items() for item in items]
         path = output_folder(self.folder) / METADATA_NAME
-        write_bytes(path, pickler.dumps(metadata_value(boxes)).bytes())
+        write_bytes(path, pickler.dumps(metadata_value(boxes, self._objects())).bytes())
         return [path]
 
 

@@ -12,7 +12,10 @@ lie contiguous in the file (a format that must decode gives a buffer of its own)
 bytes are (file, byte offset, ...) stays private to the format: it keeps them beside each
 `ShardDesc` and finds them by ``(key, global offset)`` through `Source.location`.
 ``extras()`` names files a format carries over verbatim (Megatron's ``common.pt`` and
-``metadata.json``): a destination of the same family may copy them.
+``metadata.json``), and ``objects()`` gives the items that are not tensors as their stored
+bytes (DCP's bytes items: a step count, Megatron's sharded objects such as the
+``_extra_state`` of Transformer Engine layers): a destination of the same family
+(``objects_family``) may write both back.
 
 **Writing.** A `Destination` is a whole output checkpoint: the destination shards it will hold
 (from the plan) and the files they go in. The job groups shards into ranks (a mesh layout
@@ -131,6 +134,11 @@ class Source(ABC, Generic[Location]):
         """Files to carry over verbatim, by name (none for most formats)."""
         return {}
 
+    def objects(self) -> dict[str, bytes]:
+        """Items that are not tensors, by key, as the bytes they are stored as (none for most
+        formats); never unpickled by aoa."""
+        return {}
+
     def close(self) -> None:
         """Unmap and close the files; buffers still held elsewhere stay valid until dropped."""
 
@@ -176,15 +184,22 @@ class Destination(ABC):
     #: what the format's own files are called, as glob patterns: a folder holding such
     #: files (other than this checkpoint's own) already holds a checkpoint
     patterns: ClassVar[tuple[str, ...]]
+    #: the formats whose objects (`Source.objects`) this one writes back (none: it holds
+    #: tensors only)
+    objects_family: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, folder: str | os.PathLike[str], shards: Sequence[ShardDesc],
-                 files: Sequence[OutputFile], extras: Mapping[str, Path] | None = None) -> None:
+                 files: Sequence[OutputFile], extras: Mapping[str, Path] | None = None,
+                 objects: Mapping[str, bytes] | None = None) -> None:
         self.folder = Path(folder)
         #: dtype None reads as float32, as in Paddle
         self.shards = [shard if shard.dtype else dataclasses.replace(shard, dtype="float32")
                        for shard in shards]
         self.files = list(files)
         self.extras = dict(extras or {})
+        #: items that are not tensors, written as these bytes where the format holds such
+        #: items (`objects_family`), left out elsewhere
+        self.objects = dict(objects or {})
 
     @classmethod
     @abstractmethod

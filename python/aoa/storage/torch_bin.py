@@ -5,7 +5,8 @@ Read without torch (`aoa.storage.torch_save`): every tensor is whole (global off
 its bytes in place in the file's mapping; a tensor stored as a strided view of a larger
 storage (a transposed weight, tied weights) is honoured, and one that is not C-contiguous is
 gathered into C order when read. Nested dicts give dotted keys; values that are not tensors
-(a step count) are not read.
+(a step count) are not read. An index's ``weight_map`` must agree with the files: each key
+it names is in the file it names, and each tensor stored is named, with its file.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def claims(path: Path) -> bool:
 
 def open_bin(path: Path) -> TorchBinSource:
     """Open a ``torch.save`` file, or a folder of ``pytorch_model.bin`` files."""
+    weight_map = None
     if path.is_file():
         names = [path]
     elif (path / INDEX_NAME).is_file():
-        names = _index_files(path / INDEX_NAME)
+        weight_map = _read_index(path / INDEX_NAME)
+        names = _index_files(path / INDEX_NAME, weight_map)
     elif (path / SINGLE_NAME).is_file():
         names = [path / SINGLE_NAME]
     else:
@@ -86,6 +89,8 @@ def open_bin(path: Path) -> TorchBinSource:
                 found_in[key] = name
                 shard = ShardDesc.full(key, tensor.shape, tensor.dtype)
                 found[key] = [(shard, stored(tensor, mapped))]
+        if weight_map is not None:
+            _check_index(path / INDEX_NAME, weight_map, found_in)
         return TorchBinSource(path, files, found)
     except BaseException:
         files.close()
@@ -103,7 +108,7 @@ def _flat(state: dict, prefix: str = "") -> list[tuple[str, SavedTensor]]:
     return found
 
 
-def _index_files(index: Path) -> list[Path]:
+def _read_index(index: Path) -> dict[str, str]:
     try:
         content: Any = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as error:
@@ -112,6 +117,11 @@ def _index_files(index: Path) -> list[Path]:
     if not isinstance(weight_map, dict) or not all(
             isinstance(name, str) for name in weight_map.values()):
         raise StorageError(f"{index}: index has no weight_map object of key -> file name")
+    return weight_map
+
+
+def _index_files(index: Path, weight_map: dict[str, str]) -> list[Path]:
+    """The files an index names, each checked to exist beside it."""
     names = sorted(set(weight_map.values()))
     for name in names:
         if Path(name).name != name:
@@ -119,6 +129,18 @@ def _index_files(index: Path) -> list[Path]:
         if not (index.parent / name).is_file():
             raise StorageError(f"{index}: names shard file '{name}', which does not exist")
     return [index.parent / name for name in names]
+
+
+def _check_index(index: Path, weight_map: dict[str, str], found_in: dict[str, Path]) -> None:
+    """Each key the index names is in the file it names, and each tensor stored is named:
+    an index that disagrees with its files is a checkpoint assembled from two saves."""
+    for key, name in weight_map.items():
+        if found_in.get(key) != index.parent / name:
+            raise StorageError(f"{index}: says tensor '{key}' is in '{name}', which does not "
+                               "hold it")
+    for key, path in found_in.items():
+        if key not in weight_map:
+            raise StorageError(f"{path}: tensor '{key}' is not in the index {index}")
 
 
 FORMAT = Format("bin", "pytorch_model.bin (torch.save state dicts), read only", claims,

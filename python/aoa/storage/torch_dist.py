@@ -11,8 +11,10 @@ files of Megatron's own:
 Both are carried over verbatim when the destination is ``torch_dist`` too (`Source.extras`);
 a checkpoint written from another format gets the standard ``metadata.json`` and a
 ``common.pt`` holding an empty dict, which Megatron-Core's ``dist_checkpointing.load`` reads
-as "nothing common". Megatron's sharded objects (bytes items: optimizer and RNG states) are
-not tensors and are not carried.
+as "nothing common". Megatron's sharded objects (DCP bytes items under their unique keys,
+``rng/shard_0_2``, ``decoder.layers.self_attention.linear_qkv._extra_state/shard_3_28``:
+RNG states, Transformer Engine's extra state) are carried as the bytes they are, like
+DCP's (`aoa.storage.dcp`).
 """
 
 from __future__ import annotations
@@ -90,6 +92,17 @@ class TorchDistDestination(DcpDestination):
         write_bytes(folder / COMMON_NAME, common_bytes)
         write_text(folder / CONFIG_NAME, config_text)
         return [*paths, folder / COMMON_NAME, folder / CONFIG_NAME]
+
+
+def sharded_object(value: None = None) -> bytes:
+    """The stored bytes of a Megatron sharded object holding ``value``: ``torch.save`` of
+    the list of the rank's values, one. ``None`` is what Megatron-Core saves for a module
+    with no extra state, and what Transformer Engine's ``set_extra_state`` takes as "no FP8
+    state"."""
+    layout = TorchSaveLayout([], [value])
+    data = bytearray(layout.nbytes)
+    layout.write(memoryview(data))
+    return bytes(data)
 
 
 def _empty_common() -> bytes:
