@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from aoa.block_scales import Quantized, without_scales
 from aoa.errors import UsageError
 from aoa.jobs.job import Job, ShardInfo, derived_outputs, plan_job
 from aoa.layout import ShardDesc
@@ -116,7 +117,8 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
             layout: MeshLayout | None = None, destination: ShardInfo | None = None,
             output_format: str | None = None, max_file_bytes: int | None = None,
             stacking: Sequence[Stacking] = (), objects: Mapping[str, bytes] | None = None,
-            strict: bool = True) -> Conversion:
+            quantized: Mapping[str, Quantized] | None = None, strict: bool = True
+            ) -> Conversion:
     """Compile and plan; decide the destination shards and the files that hold them.
 
     No layout and no destination: full, unsharded tensors (``safetensors``, Hugging Face
@@ -124,16 +126,18 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
     (``dcp-safetensors`` by default). ``max_file_bytes``: the format's limit per file
     (None: its default). ``stacking``: store the destination keys stacked by these rules;
     ``objects``: write these items that are not tensors (default: carry the source's where
-    the format holds them). ``strict`` (default) refuses likely mistakes in the mapping and
-    the layout; False keeps Paddle's meaning (`aoa.passes.context.CompileContext`)."""
+    the format holds them). ``quantized``: source keys stored with block scales
+    (`aoa.block_scales`), dequantized where the mapping casts them; the mapping does not see
+    their scales. ``strict`` (default) refuses likely mistakes in the mapping and the
+    layout; False keeps Paddle's meaning (`aoa.passes.context.CompileContext`)."""
     mapping = as_mapping(mapping)
     format = format_named(output_format, "output") if output_format is not None else None
-    by_key, ranks = destination_shards(mapping, source.shards, layout=layout,
-                                       destination=destination, strict=strict)
+    by_key, ranks = destination_shards(mapping, without_scales(source.shards, quantized),
+                                       layout=layout, destination=destination, strict=strict)
     if format is None:
         format = format_named("dcp-safetensors" if ranks is not None else "safetensors",
                               "output")
-    job = plan_job(mapping, source, by_key, strict=strict)
+    job = plan_job(mapping, source, by_key, quantized=quantized, strict=strict)
     assert format.destination is not None
     stored = stack_shards(job.plan.destinations, stacking) if stacking else None
     files = format.destination.plan_files(stored or job.plan.destinations, ranks,
