@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,7 @@ from aoa.errors import AoaError, UsageError
 from aoa.storage.formats import DEFAULT_MAX_FILE_BYTES, FORMAT_NAMES
 
 if TYPE_CHECKING:
+    from aoa.layout import ShardDesc
     from aoa.mapping import MappingText
     from aoa.passes import Pass
     from aoa.passes.context import CompileContext
@@ -49,9 +50,7 @@ def _program(args) -> tuple[MappingText, CompileContext]:
     """The mapping and the context of `compile`, `explain` and `check`, as `convert` would
     compile them: the source's shards and record, the destination's shards (listed, or
     derived through a mesh layout), strict unless --lenient."""
-    from aoa.jobs.convert import ShardInfo, destination_shards
     from aoa.mapping import read_mapping, read_shard_info, read_source
-    from aoa.mesh_layout import read_mesh_layout
     from aoa.pipeline import new_context
     from aoa.record import source_record
 
@@ -60,8 +59,12 @@ def _program(args) -> tuple[MappingText, CompileContext]:
     strict = not args.lenient
     source, checkpoint = read_source(args.source, args.source_format)
     fused = source_record(checkpoint) if checkpoint is not None else None
-    destination: ShardInfo | None = read_shard_info(args.destination, "destination")
+    destination: Mapping[str, Sequence[ShardDesc]] | None = read_shard_info(
+        args.destination, "destination")
     if args.layout is not None:
+        from aoa.jobs.convert import destination_shards  # numpy, only for a layout
+        from aoa.mesh_layout import read_mesh_layout
+
         destination, _ = destination_shards(mapping, source,
                                             layout=read_mesh_layout(args.layout),
                                             destination=destination, strict=strict)
