@@ -95,6 +95,22 @@ struct CastStep {
   int64_t output_itemsize;
 };
 
+// Per axis of a dequantizing copy: `block` elements share a scale, the copy starts `phase`
+// elements into its block, and `stride` bytes lie between neighbouring blocks' scales.
+struct ScaleAxis {
+  int64_t block;
+  int64_t phase;
+  int64_t stride;
+};
+
+// A dequantizing copy's scales: value = float32(stored) * float32(scale), then the steps.
+struct BlockScales {
+  const uint8_t* data = nullptr;  // the scale of the first element's block; null: none
+  RowFn widen = nullptr;          // stored values -> float32
+  RowFn widen_scale = nullptr;    // one scale -> float32
+  std::vector<ScaleAxis> axes;    // one per axis of the copy, as `PreparedCopy::axes`
+};
+
 struct PreparedCopy;
 
 // Columns [column0, column0 + width) of rows [row0, row_end) of a copy's last two axes.
@@ -116,6 +132,7 @@ struct PreparedCopy {
   int64_t tile_columns;
   int64_t first_column;         // where the first full-width tile starts, when `tiled`
   int64_t bytes;                // read plus written: the weight for splitting work
+  BlockScales scales;           // when `scales.data`: the steps start from float32
 };
 
 // Items per tile side. 128 x 128 measured best on 8192 x 8192 transposes of float32 and
@@ -238,6 +255,97 @@ Dtype dtype_from_code(size_t copy, int64_t code) {
   return static_cast<Dtype>(code);
 }
 
+// ---------------------------------------------------------------------------------------
+// Dequantizing copies: the scale fields of a record, checked as the numpy reference checks
+// them (aoa/runtime/numpy_backend.py), in the same order.
+
+struct ScaleFields {
+  bool present = false;
+  int64_t source = 0;
+  Dtype dtype = Dtype::float32;
+  int64_t offset = 0;
+  const int64_t* blocks = nullptr;
+  const int64_t* phases = nullptr;
+  const int64_t* strides = nullptr;
+};
+
+bool is_dequantized_source(Dtype d) {
+  return d == Dtype::float8_e4m3fn || d == Dtype::float8_e5m2 || d == Dtype::bfloat16 ||
+         d == Dtype::float16 || d == Dtype::float32;
+}
+
+bool is_scale_dtype(Dtype d) {
+  return d == Dtype::float32 || d == Dtype::bfloat16 || d == Dtype::float16;
+}
+
+ScaleFields read_scale(size_t index, TableReader& reader, int64_t ndim, size_t sources,
+                       Dtype source_dtype) {
+  ScaleFields scale;
+  const int64_t has_scale = *reader.take(index, 1);
+  if (has_scale == 0) return scale;
+  if (has_scale != 1) refuse(index, "has_scale is " + std::to_string(has_scale) + ", not 0 or 1");
+  const int64_t* head = reader.take(index, 3);
+  scale.present = true;
+  scale.source = head[0];
+  scale.dtype = dtype_from_code(index, head[1]);
+  scale.offset = head[2];
+  scale.blocks = reader.take(index, ndim);
+  scale.phases = reader.take(index, ndim);
+  scale.strides = reader.take(index, ndim);
+  if (scale.source < 0 || scale.source >= static_cast<int64_t>(sources))
+    refuse(index, "scale source " + std::to_string(scale.source) + " does not exist (" +
+                      std::to_string(sources) + " sources)");
+  if (!is_dequantized_source(source_dtype))
+    refuse(index, std::string("cannot dequantize ") + dtype_name(source_dtype) +
+                      ": the source must be one of float8_e4m3fn, float8_e5m2, bfloat16, "
+                      "float16, float32");
+  if (!is_scale_dtype(scale.dtype))
+    refuse(index, std::string("scales of ") + dtype_name(scale.dtype) +
+                      ": they must be one of float32, bfloat16, float16");
+  for (int64_t k = 0; k < ndim; ++k)
+    if (scale.blocks[k] < 1 || scale.phases[k] < 0 || scale.phases[k] >= scale.blocks[k])
+      refuse(index, "scale blocks " + tuple_text(scale.blocks, ndim) + " and phases " +
+                        tuple_text(scale.phases, ndim) +
+                        ": every block has an element, every phase lies within its block");
+  return scale;
+}
+
+// The row that widens one element of `d` to float32.
+RowFn widen_row(Dtype d) {
+  return d == Dtype::float32 ? &copy_row<4> : cast_row_for(d, Dtype::float32);
+}
+
+// Checks the scales' region and keeps the copy's axes as they are (without unit ones): a
+// block's scale is found per axis, so axes are neither merged nor reordered.
+void prepare_scales(size_t index, PreparedCopy& copy, const ScaleFields& scale,
+                    const int64_t* shape, const int64_t* source_strides,
+                    const int64_t* destination_strides, int64_t ndim, const SourceBuffer& from,
+                    Dtype source_dtype) {
+  std::vector<int64_t> extents(static_cast<size_t>(ndim));
+  for (int64_t k = 0; k < ndim; ++k) {  // (phase + shape - 1) / block + 1, without overflow
+    const uint64_t last = static_cast<uint64_t>(shape[k] - 1);
+    const uint64_t block = static_cast<uint64_t>(scale.blocks[k]);
+    const uint64_t carry = (static_cast<uint64_t>(scale.phases[k]) + last % block) / block;
+    extents[static_cast<size_t>(k)] = static_cast<int64_t>(last / block + carry + 1);
+  }
+  const int64_t scale_itemsize = itemsize(scale.dtype);
+  if (!region_fits(scale.offset, extents.data(), scale.strides, ndim, scale_itemsize, from.size))
+    refuse(index, "scale region (offset " + std::to_string(scale.offset) + ", blocks " +
+                      tuple_text(extents.data(), ndim) + ", strides " +
+                      tuple_text(scale.strides, ndim) + ") does not fit in source " +
+                      std::to_string(scale.source) + " of " + std::to_string(from.size) +
+                      " bytes");
+  copy.scales.data = from.data + scale.offset;
+  copy.scales.widen = widen_row(source_dtype);
+  copy.scales.widen_scale = widen_row(scale.dtype);
+  for (int64_t k = 0; k < ndim; ++k) {
+    if (shape[k] == 1) continue;  // its one element is in the first element's block
+    copy.axes.push_back({shape[k], source_strides[k], destination_strides[k]});
+    copy.scales.axes.push_back({scale.blocks[k], scale.phases[k], scale.strides[k]});
+  }
+  copy.tiled = false;
+}
+
 // Reads and checks one record; an empty region gives a copy with no bytes.
 PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<SourceBuffer>& sources,
                       const std::vector<DestinationBuffer>& destinations) {
@@ -261,13 +369,17 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
   const int64_t* shape = reader.take(index, ndim);
   const int64_t* source_strides = reader.take(index, ndim);
   const int64_t* destination_strides = reader.take(index, ndim);
+  const ScaleFields scale = read_scale(index, reader, ndim, sources.size(), chain.front());
 
   PreparedCopy copy{};
-  copy.steps = cast_steps(index, chain);
-  copy.source_itemsize = itemsize(chain.front());
+  const Dtype source_dtype = chain.front();
+  copy.source_itemsize = itemsize(source_dtype);
   copy.destination_itemsize = itemsize(chain.back());
+  if (scale.present) chain.front() = Dtype::float32;  // the steps start from the product
+  copy.steps = cast_steps(index, chain);
   const bool moves_bytes = copy.steps.empty();
-  if (moves_bytes) copy.steps.push_back({copy_row_for(copy.source_itemsize), copy.source_itemsize});
+  if (moves_bytes)
+    copy.steps.push_back({copy_row_for(itemsize(chain.front())), itemsize(chain.front())});
   for (int64_t k = 0; k < ndim; ++k)
     if (shape[k] < 0) refuse(index, "negative extent in shape " + tuple_text(shape, ndim));
   if (std::find(shape, shape + ndim, 0) != shape + ndim) return copy;  // copies nothing
@@ -293,9 +405,14 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
 
   copy.source = from.data + source_offset;
   copy.destination = to.data + destination_offset;
+  copy.bytes = bytes;
+  if (scale.present) {
+    prepare_scales(index, copy, scale, shape, source_strides, destination_strides, ndim,
+                   sources[static_cast<size_t>(scale.source)], source_dtype);
+    return copy;
+  }
   for (int64_t k = 0; k < ndim; ++k)
     copy.axes.push_back({shape[k], source_strides[k], destination_strides[k]});
-  copy.bytes = bytes;
   simplify(copy);
   if (copy.tiled) plan_tiles(copy, moves_bytes);
   return copy;
@@ -471,6 +588,79 @@ void walk(const PreparedCopy& copy, size_t axis, const uint8_t* source, uint8_t*
 }
 
 // ---------------------------------------------------------------------------------------
+// Walking a dequantizing copy: its last two axes in tiles within one block on both (one
+// scale per tile, at most kTile x kTile, so a transposed read stays in cache), the axes
+// outside them one index at a time.
+
+// `count` elements along one row, all of one block: widened, times `scale`, then the steps.
+void run_scaled_row(const PreparedCopy& copy, const uint8_t* source, int64_t source_stride,
+                    uint8_t* destination, int64_t destination_stride, int64_t count,
+                    float scale) {
+  float values[kChainBlock];
+  for (int64_t start = 0; start < count; start += kChainBlock) {
+    const int64_t block = std::min(kChainBlock, count - start);
+    copy.scales.widen(source + start * source_stride, source_stride,
+                      reinterpret_cast<uint8_t*>(values), 4, block);
+    for (int64_t i = 0; i < block; ++i) values[i] *= scale;
+    run_row(copy, reinterpret_cast<const uint8_t*>(values), 4,
+            destination + start * destination_stride, destination_stride, block);
+  }
+}
+
+float scale_at(const PreparedCopy& copy, const uint8_t* scale) {
+  float value;
+  copy.scales.widen_scale(scale, 0, reinterpret_cast<uint8_t*>(&value), 4, 1);
+  return value;
+}
+
+// Indices [begin, end) along `axis` of a copy: where the next block starts, and the scale
+// of the block of `index`, from `scale` (the scale of index 0's block).
+int64_t block_end(const ScaleAxis& a, int64_t index, int64_t end) {
+  return std::min(end, ((a.phase + index) / a.block + 1) * a.block - a.phase);
+}
+const uint8_t* scale_of(const ScaleAxis& a, const uint8_t* scale, int64_t index) {
+  return scale + (a.phase + index) / a.block * a.stride;
+}
+
+void walk_scaled(const PreparedCopy& copy, size_t axis, const uint8_t* source,
+                 uint8_t* destination, const uint8_t* scale, int64_t begin, int64_t end) {
+  const std::vector<Axis>& axes = copy.axes;
+  const std::vector<ScaleAxis>& scales = copy.scales.axes;
+  const Axis& a = axes[axis];
+  if (axis + 1 == axes.size()) {  // a single axis: runs of one block
+    for (int64_t i = begin, stop; i < end; i = stop) {
+      stop = std::min(block_end(scales[axis], i, end), i + kTile * kTile);
+      run_scaled_row(copy, source + i * a.source_stride, a.source_stride,
+                     destination + i * a.destination_stride, a.destination_stride, stop - i,
+                     scale_at(copy, scale_of(scales[axis], scale, i)));
+    }
+    return;
+  }
+  if (axis + 2 == axes.size()) {  // rows and columns, in tiles
+    const Axis& c = axes[axis + 1];
+    for (int64_t row0 = begin, row_end; row0 < end; row0 = row_end) {
+      row_end = std::min(block_end(scales[axis], row0, end), row0 + kTile);
+      const uint8_t* scale_row = scale_of(scales[axis], scale, row0);
+      for (int64_t column0 = 0, column_end; column0 < c.extent; column0 = column_end) {
+        column_end = std::min(block_end(scales[axis + 1], column0, c.extent), column0 + kTile);
+        const float value = scale_at(copy, scale_of(scales[axis + 1], scale_row, column0));
+        for (int64_t row = row0; row < row_end; ++row)
+          run_scaled_row(copy, source + row * a.source_stride + column0 * c.source_stride,
+                         c.source_stride,
+                         destination + row * a.destination_stride +
+                             column0 * c.destination_stride,
+                         c.destination_stride, column_end - column0, value);
+      }
+    }
+    return;
+  }
+  for (int64_t i = begin; i < end; ++i)
+    walk_scaled(copy, axis + 1, source + i * a.source_stride,
+                destination + i * a.destination_stride, scale_of(scales[axis], scale, i), 0,
+                axes[axis + 1].extent);
+}
+
+// ---------------------------------------------------------------------------------------
 // Splitting work over threads.
 
 // A copy, or the slice [begin, end) of its outermost axis.
@@ -482,7 +672,15 @@ struct Piece {
 
 void run_piece(const Piece& piece) {
   const PreparedCopy& copy = *piece.copy;
-  if (copy.axes.empty()) {
+  if (copy.scales.data != nullptr) {
+    if (copy.axes.empty()) {
+      run_scaled_row(copy, copy.source, copy.source_itemsize, copy.destination,
+                     copy.destination_itemsize, 1, scale_at(copy, copy.scales.data));
+    } else {
+      walk_scaled(copy, 0, copy.source, copy.destination, copy.scales.data, piece.begin,
+                  piece.end);
+    }
+  } else if (copy.axes.empty()) {
     run_row(copy, copy.source, copy.source_itemsize, copy.destination,
             copy.destination_itemsize, 1);
   } else {

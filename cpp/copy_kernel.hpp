@@ -30,9 +30,11 @@ class CopyError : public std::invalid_argument {
 // Int64 fields of one copy in the table, in this order, records back to back:
 //   source, source_offset, destination, destination_offset,
 //   source_dtype, destination_dtype, via_count, via[via_count],
-//   ndim, shape[ndim], source_strides[ndim], destination_strides[ndim]
+//   ndim, shape[ndim], source_strides[ndim], destination_strides[ndim],
+//   has_scale, and when it is 1 (a dequantizing copy, aoa.runtime.copies.BlockScale):
+//   scale_source, scale_dtype, scale_offset, blocks[ndim], phases[ndim], scale_strides[ndim]
 // Strides are in bytes, one per destination axis. Every record is checked (buffer indices,
-// dtype codes, casts, both regions within their buffers) before any byte moves.
+// dtype codes, casts, all regions within their buffers) before any byte moves.
 // Sources must not overlap destinations, nor destinations each other.
 void execute_copies(const int64_t* table, int64_t table_length,
                     const std::vector<SourceBuffer>& sources,

@@ -360,6 +360,13 @@ def plan_json() -> dict:
     (lambda p: p["copies"][0].pop(), "not an aoa plan: not enough values to unpack "
                                      "(expected 7, got 6)"),
     (lambda p: p.pop("sources"), "not an aoa plan: it lacks 'sources'"),
+    (lambda p: p.__setitem__("scales", [[0, 3, [2, 2]]]),
+     "not an aoa plan: the scales of source 0 name source 3, of 1 sources"),
+    (lambda p: p.__setitem__("scales", [[0, 0, [128]]]),
+     "not an aoa plan: the scales of source 0 have blocks [128], not one of at least 1 per "
+     "axis"),
+    (lambda p: p.__setitem__("scales", [[0, 0]]),
+     "not an aoa plan: not enough values to unpack (expected 3, got 2)"),
     (lambda p: p.__setitem__("format", "x"), "not an aoa plan (format 'x', expected "
                                              "'aoa-plan/1')"),
 ])
@@ -370,6 +377,12 @@ def test_a_plan_read_back_is_checked_whole(change, message):
     with pytest.raises(aoa.UsageError) as caught:
         aoa.Plan.loads(json.dumps(data))
     assert caught.value.message == message
+
+
+def test_a_plan_with_scales_reads_back_as_written():
+    data = {**plan_json(), "scales": [[0, 0, [2, 3]]]}
+    plan = aoa.Plan.loads(json.dumps(data))
+    assert plan.scales == {0: (0, (2, 3))} and plan.to_json() == data
 
 
 def test_a_plan_nested_100000_deep():

@@ -91,6 +91,18 @@ def _copy_problem(copy: PlannedCopy, sources: Sequence[ShardDesc],
     return None
 
 
+def _scale_problem(source: int, read: ScaleRead, sources: list[ShardDesc]) -> str | None:
+    """What is wrong with a quantized source's scales read from JSON (None: nothing): both
+    shards exist, and there is one block (of at least one element) per axis."""
+    count = len(sources)
+    if not all(isinstance(n, int) and 0 <= n < count for n in (source, read.scale)):
+        return f"name source {read.scale}, of {count} sources"
+    if not (len(read.block) == len(sources[source].local_shape)
+            and all(isinstance(b, int) and b >= 1 for b in read.block)):
+        return f"have blocks {list(read.block)}, not one of at least 1 per axis"
+    return None
+
+
 #: one of a key's copies, as the planner memoizes it: (the shard's position among the key's
 #: shards, the read's position among the key's reads, destination_start, shape,
 #: source_start, order, casts)
@@ -159,6 +171,17 @@ class CopyTable(Sequence[PlannedCopy]):
         return f"CopyTable({len(self)} copies in {len(self._blocks)} keys)"
 
 
+class ScaleRead(NamedTuple):
+    """A quantized source shard's second source: its values are the stored ones times the
+    scale of their block, read from source shard ``scale``; ``block`` is the elements per
+    block along each axis of the tensor, blocks counted from the tensor's origin (fp8
+    checkpoints: one ``weight_scale_inv`` value per 128 x 128 block, the last ones
+    partial)."""
+
+    scale: int
+    block: tuple[int, ...]
+
+
 @dataclass
 class Plan:
     sources: list[ShardDesc]
@@ -168,6 +191,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     #: destination shards declared with `_ -> X`: left as they are, no copy
     untouched: list[int] = field(default_factory=list)
+    #: source index -> its scales, for the source shards stored quantized
+    scales: dict[int, ScaleRead] = field(default_factory=dict)
 
     # -- queries -------------------------------------------------------------------------
     def copies_by_destination(self) -> dict[int, list[PlannedCopy]]:
@@ -175,6 +200,16 @@ class Plan:
         for c in self.copies:
             grouped[c.destination].append(c)
         return grouped
+
+    def scale_of(self, copy: PlannedCopy) -> ScaleRead | None:
+        """The scales ``copy`` dequantizes with: a copy from a quantized source into another
+        dtype reads its values (stored value times scale); into the stored dtype it moves
+        the stored bytes, as one quantized tensor to another (whose scales travel apart)."""
+        scale = self.scales.get(copy.source)
+        if scale is None or (self.sources[copy.source].dtype
+                             == self.destinations[copy.destination].dtype):
+            return None
+        return scale
 
     def destination_bytes(self) -> int:
         return sum(shard.nbytes for shard in self.destinations)
@@ -186,6 +221,8 @@ class Plan:
                 "destinations": [d.to_json() for d in self.destinations],
                 "copies": [c.to_json() for c in self.copies],
                 "untouched": list(self.untouched),
+                "scales": [[source, scale, list(block)]
+                           for source, (scale, block) in sorted(self.scales.items())],
                 "notes": list(self.notes)}
 
     @classmethod
@@ -198,7 +235,9 @@ class Plan:
             plan = cls([ShardDesc.from_json(s) for s in data["sources"]],
                        [ShardDesc.from_json(d) for d in data["destinations"]],
                        [PlannedCopy.from_json(c) for c in data["copies"]],
-                       list(data.get("notes", [])), list(data.get("untouched", [])))
+                       list(data.get("notes", [])), list(data.get("untouched", [])),
+                       {source: ScaleRead(scale, tuple(block))
+                        for source, scale, block in data.get("scales", [])})
         except (KeyError, TypeError, ValueError) as error:
             why = f"it lacks {error}" if isinstance(error, KeyError) else str(error)
             raise UsageError(f"not an aoa plan: {why}") from None
@@ -206,6 +245,10 @@ class Plan:
             problem = _copy_problem(copy, plan.sources, plan.destinations)
             if problem:
                 raise UsageError(f"not an aoa plan: copy {index} {problem}")
+        for source, read in plan.scales.items():
+            problem = _scale_problem(source, read, plan.sources)
+            if problem:
+                raise UsageError(f"not an aoa plan: the scales of source {source} {problem}")
         return plan
 
     def dumps(self) -> str:

@@ -117,6 +117,10 @@ class Printer:
                 steps = []
                 if copy.order is not None:
                     steps.append(f"permute {list(copy.order)}")
+                scale = plan.scale_of(copy)
+                if scale is not None:
+                    steps.append(f"times the scales of '{plan.sources[scale.scale].key}' per "
+                                 f"block of {' x '.join(map(str, scale.block))}")
                 steps += [f"round to {d}" for d in copy.casts]
                 if (source.dtype or "float32") != (destination.dtype or "float32"):
                     steps.append(f"cast {source.dtype} -> {destination.dtype}")

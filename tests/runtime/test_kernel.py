@@ -435,7 +435,7 @@ def test_bad_copies_are_refused_before_any_byte_moves(copy, message):
     assert message in cpp_message
 
 
-RECORD = (0, 0, 0, 0, 1, 1, 0, 1, 2, 4, 4)  # 2 float32, contiguous
+RECORD = (0, 0, 0, 0, 1, 1, 0, 1, 2, 4, 4, 0)  # 2 float32, contiguous, no scales
 
 
 def test_the_kernel_runs_a_table():
@@ -449,6 +449,7 @@ def test_the_kernel_runs_a_table():
     ((0, 0, 0, 0, 15, 1, 0, 0), 1, _core.CopyError, "copy 0: unknown dtype code 15"),
     ((0, 0, 0, 0, 1, 1, 1, -1, 0), 1, _core.CopyError, "copy 0: unknown dtype code -1"),
     ((0, 0, 0, 0, 1, 1, 0, -1), 1, _core.CopyError, "copy 0: negative number of axes"),
+    ((*RECORD[:-1], 2), 1, _core.CopyError, "copy 0: has_scale is 2, not 0 or 1"),
     (np.zeros(3, np.int32), 1, ValueError, "int64"),
     (RECORD, 0, ValueError, "threads"),
 ])

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from aoa.block_scales import Quantized, without_scales
 from aoa.errors import UsageError
 from aoa.jobs.job import Job, ShardInfo, derived_outputs, plan_job
 from aoa.layout import ShardDesc
@@ -84,7 +85,7 @@ class Conversion:
         return "\n".join(lines)
 
 
-def destination_shards(mapping: MappingText, source: Source, *,
+def destination_shards(mapping: MappingText, source: ShardInfo, *,
                        layout: MeshLayout | None = None, destination: ShardInfo | None = None
                        ) -> tuple[ShardInfo | None, list[list[int]] | None]:
     """The destination shards by key (None: derive whole outputs) and, when there are
@@ -95,7 +96,7 @@ def destination_shards(mapping: MappingText, source: Source, *,
     if layout is not None and destination is not None:
         raise UsageError("give a layout or a destination shard list, not both")
     if layout is not None:
-        shards = layout.shards(derived_outputs(mapping, source.shards))
+        shards = layout.shards(derived_outputs(mapping, source))
         return shards.by_key, shards.ranks
     if destination is None:
         return None, None
@@ -113,8 +114,8 @@ def destination_shards(mapping: MappingText, source: Source, *,
 def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
             layout: MeshLayout | None = None, destination: ShardInfo | None = None,
             output_format: str | None = None, max_file_bytes: int | None = None,
-            stacking: Sequence[Stacking] = (), objects: Mapping[str, bytes] | None = None
-            ) -> Conversion:
+            stacking: Sequence[Stacking] = (), objects: Mapping[str, bytes] | None = None,
+            quantized: Mapping[str, Quantized] | None = None) -> Conversion:
     """Compile and plan; decide the destination shards and the files that hold them.
 
     No layout and no destination: full, unsharded tensors (``safetensors``, Hugging Face
@@ -122,14 +123,17 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
     (``dcp-safetensors`` by default). ``max_file_bytes``: the format's limit per file
     (None: its default). ``stacking``: store the destination keys stacked by these rules;
     ``objects``: write these items that are not tensors (default: carry the source's where
-    the format holds them)."""
+    the format holds them). ``quantized``: source keys stored with block scales
+    (`aoa.block_scales`), dequantized where the mapping casts them; the mapping does not see
+    their scales."""
     mapping = as_mapping(mapping)
     format = format_named(output_format, "output") if output_format is not None else None
-    by_key, ranks = destination_shards(mapping, source, layout=layout, destination=destination)
+    by_key, ranks = destination_shards(mapping, without_scales(source.shards, quantized),
+                                       layout=layout, destination=destination)
     if format is None:
         format = format_named("dcp-safetensors" if ranks is not None else "safetensors",
                               "output")
-    job = plan_job(mapping, source, by_key)
+    job = plan_job(mapping, source, by_key, quantized=quantized)
     assert format.destination is not None
     stored = stack_shards(job.plan.destinations, stacking) if stacking else None
     files = format.destination.plan_files(stored or job.plan.destinations, ranks,

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from aoa.block_scales import Quantized, read_scales, without_scales
 from aoa.layout import ShardDesc
 from aoa.mapping import MappingText
 from aoa.passes import PIPELINE, propagate_shapes, through
@@ -99,11 +100,16 @@ class Job:
                             progress=progress, release=release if release_pages else None)
 
 
-def plan_job(mapping: MappingText, source: Source, destination: ShardInfo | None = None
-             ) -> Job:
+def plan_job(mapping: MappingText, source: Source, destination: ShardInfo | None = None,
+             *, quantized: Mapping[str, Quantized] | None = None) -> Job:
     """Compile ``mapping`` against ``source`` and ``destination`` (None: derive the outputs,
-    whole) and plan every destination shard."""
+    whole) and plan every destination shard; ``quantized``: source keys stored with block
+    scales, dequantized where they are read into another dtype (the mapping does not see
+    their scales: the dequantization reads them)."""
     start = time.perf_counter()
-    compilation = compile_mapping(mapping, source.shards, destination)
+    compilation = compile_mapping(mapping, without_scales(source.shards, quantized),
+                                  destination)
     plan = compilation.plan()
+    if quantized:
+        plan = read_scales(plan, source.shards, quantized)
     return Job(source, compilation, plan, time.perf_counter() - start)

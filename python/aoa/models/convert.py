@@ -32,6 +32,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from aoa.block_scales import FP8, Quantized
 from aoa.errors import StorageError, UsageError
 from aoa.inputs import load_json, read_text
 from aoa.jobs.convert import Conversion, execute, prepare
@@ -41,6 +42,18 @@ from aoa.mapping import MappingText
 from aoa.mesh_layout import MeshLayout, layout_text
 from aoa.models import TARGETS, family_of
 from aoa.models.base import Config, Expected, Mesh, ModelError
+from aoa.models.fp8 import (
+    SUFFIX,
+    Fp8Weights,
+    block_of,
+    check_scales_follow,
+    check_whole_blocks,
+    kept_weights,
+    quantized_keys,
+    scale_tensors,
+    stored_fp8,
+    without_quantization,
+)
 from aoa.models.mapping import ModelMapping, build, template_dtypes, templates_of
 from aoa.storage.formats import Source, open_source
 from aoa.storage.stacked import Stacking, UnstackedSource
@@ -181,6 +194,10 @@ def write_job(job: Job, source: str | Path, output: str | Path, *,
     check_output(output)
     execute(job.conversion, output, threads=threads, progress=progress)
     copy_side_files(Path(source), output)
+    if "dequantized" in job.record:  # the weights are no longer fp8
+        config = json.loads((output / "config.json").read_text())
+        (output / "config.json").write_text(json.dumps(without_quantization(config), indent=2)
+                                            + "\n")
     if job.direction != "inverse":  # a Hugging Face folder stays a plain one
         job.record["format"] = job.conversion.format.name
         (output / RECORD).write_text(json.dumps(job.record, indent=1) + "\n")
@@ -202,8 +219,9 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
              dtype: str | None, mapping_file: str | Path | None, output_format: str | None,
              options: Mapping[str, str | None]) -> Job:
     info = checkpoint.shards
-    absent = check_tensors(info, family.tensors(cfg.with_checkpoint(frozenset(info))), cfg,
-                           family.name)
+    expected = family.tensors(cfg.with_checkpoint(frozenset(info)))
+    expected.update(scale_tensors(info, expected, cfg))
+    absent = check_tensors(info, expected, cfg, family.name)
     notes = [f"{cfg.path}: '{group}' is {cfg.data.get(group)}, but the checkpoint holds none "
              "of those layers; converted without them" for group in sorted(absent)]
     cfg = cfg.with_checkpoint(frozenset(info), sorted(absent))
@@ -211,18 +229,36 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
     probe = build(family, cfg, target, mesh, dtype=dtype, options=options)
     reads = sorted({read for step in probe.steps for read in step.reads})
     source_dtypes = template_dtypes(reads, key_dtypes)
+    fp8 = stored_fp8(cfg, source_dtypes)
+    if fp8 is not None and mapping_file is not None:
+        raise ModelError(f"{cfg.path}: the checkpoint stores fp8 weights with scales, and an "
+                         "edited mapping cannot be checked to carry each scale with its weight",
+                         hint="Convert without --mapping: --dtype bfloat16 dequantizes, "
+                              "no --dtype keeps fp8 with the scales beside the weights.")
     mapping = build(family, cfg, target, mesh, dtype=dtype, source_dtypes=source_dtypes,
-                    options=options)
+                    fp8=fp8, options=options)
+    if fp8 is not None:  # the scales' templates too
+        reads = sorted({read for step in mapping.steps for read in step.reads})
+        source_dtypes = template_dtypes(reads, key_dtypes)
     text, origin = mapping.forward, "aoa.models"
     if mapping_file is not None:
         text, origin = _read_text(mapping_file), str(mapping_file)
+    _check_fp8_layout(mapping, {key: shards[0].global_shape for key, shards in info.items()})
+    quantized = None
+    if fp8 is not None and mapping.dequantizes:
+        quantized = {key: Quantized(key + SUFFIX, fp8.block) for key, shards in info.items()
+                     if shards[0].dtype in FP8 and key + SUFFIX in info}
     output_format = output_format or OWN_FORMATS.get(target)
     own = output_format is not None and output_format == OWN_FORMATS.get(target)
     conversion = prepare(MappingText(text, False, origin if mapping_file else
                                      "<aoa.models mapping>"),
                          checkpoint, layout=mapping.layout, output_format=output_format,
-                         **_stored_as(mapping, own))
-    record = _record(mapping, text, origin, source_dtypes, own)
+                         quantized=quantized, **_stored_as(mapping, own))
+    _check_fp8_scales(conversion, mapping)
+    if mapping.dequantizes:
+        record = _dequantized_record(cfg, family, mapping, text, source_dtypes, own)
+    else:
+        record = _record(mapping, text, origin, source_dtypes, own)
     record["absent_groups"] = sorted(absent)
     return Job("forward", mapping, text, origin, mapping.layout, conversion, record, notes)
 
@@ -257,6 +293,7 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     mapping = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"),
+                    fp8=Fp8Weights.from_json(record.get("fp8")),
                     options=record.get("options"))
     _check_target(info, mapping, record, cfg)
     stored = _stored_dtypes(mapping, info)
@@ -280,23 +317,33 @@ def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     options = record.get("options")
+    fp8 = Fp8Weights.from_json(record.get("fp8"))
     before = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"),
-                   options=options)
+                   fp8=fp8, options=options)
     _check_target(info, before, record, cfg)
     if record.get("mapping_origin", "aoa.models") != "aoa.models":
         raise ModelError("this folder was written with an edited mapping; convert it --to hf "
                          "and then forward again with --mapping")
     mapping = build(family, cfg, record["target"], mesh, dtype=dtype or record.get("dtype"),
-                    source_dtypes=record["source_dtypes"], options=options)
+                    source_dtypes=record["source_dtypes"], fp8=fp8, options=options)
     text = mapping.reshard(_stored_dtypes(mapping, info))
+    _check_fp8_layout(mapping, {key: spec.shape for key, spec in mapping.source_tensors.items()})
+    quantized = None
+    if mapping.dequantizes:  # the folder kept fp8: its target keys hold the scales
+        blocks = before.target_blocks()
+        quantized = quantized_keys(info, templates_of(list(info), list(blocks)), blocks)
     output_format = output_format or OWN_FORMATS.get(mapping.target)
     own = output_format is not None and output_format == OWN_FORMATS.get(mapping.target)
     carried = checkpoint.objects() if checkpoint.format == output_format else {}
     conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
                          layout=mapping.layout, output_format=output_format,
-                         **_stored_as(mapping, own, carried))
+                         quantized=quantized, **_stored_as(mapping, own, carried))
+    _check_fp8_scales(conversion, mapping)
     # The record names the mapping from Hugging Face to what the folder now holds.
-    out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"], own)
+    if mapping.dequantizes:
+        out = _dequantized_record(cfg, family, mapping, text, record["source_dtypes"], own)
+    else:
+        out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"], own)
     out["absent_groups"] = record.get("absent_groups", [])
     out["resharded_with"] = text
     return Job("reshard", mapping, text, "aoa.models reshard", mapping.layout, conversion,
@@ -324,10 +371,14 @@ def check_tensors(info: Mapping[str, list[ShardDesc]], expected: Mapping[str, Ex
                               "expert counts, tie_word_embeddings, bias flags).")
     extra = [key for key in info if key not in expected]
     if extra:
+        hint = ("A key the family does not know is never passed on silently: check "
+                "config.json, or write the mapping by hand (--mapping).")
+        if any(key.endswith(SUFFIX) for key in extra) and block_of(cfg) is None:
+            hint = (f"These look like fp8 scales, but {cfg.path} has no fp8 "
+                    "quantization_config (quant_method 'fp8', weight_block_size): use the "
+                    "release's own config.json.")
         raise ModelError(f"the checkpoint holds {len(extra)} tensor(s) the {family} family "
-                         f"does not know for {cfg.path}: {_some(extra)}",
-                         hint="A key the family does not know is never passed on silently: "
-                              "check config.json, or write the mapping by hand (--mapping).")
+                         f"does not know for {cfg.path}: {_some(extra)}", hint=hint)
     for key, spec in expected.items():
         if key not in info:
             continue
@@ -338,6 +389,29 @@ def check_tensors(info: Mapping[str, list[ShardDesc]], expected: Mapping[str, Ex
                              hint="A count in config.json (heads, head_dim, sizes) does not "
                                   "match these weights.")
     return absent
+
+
+def _check_fp8_layout(mapping: ModelMapping, source: Mapping[str, tuple[int, ...]]) -> None:
+    """Before planning: the mesh splits each weight kept in fp8 in whole blocks (so its
+    scales can follow; a split through a block is named by its weight, not its scales)."""
+    if mapping.fp8 is None or mapping.dequantizes:
+        return
+    kept = kept_weights(mapping.steps, mapping.fp8.block, source)
+    shards = mapping.layout.shards({key: (shape, None) for key, (shape, _) in kept.items()})
+    mesh = mapping.mesh
+    check_whole_blocks(shards.listed(), {key: block for key, (_, block) in kept.items()},
+                       f"the mesh (--tp {mesh.tp}, --ep {mesh.ep}, --pp {mesh.pp})")
+
+
+def _check_fp8_scales(conversion: Conversion, mapping: ModelMapping) -> None:
+    """After planning: each scale shard holds exactly the scales of its weight's shard."""
+    blocks = mapping.target_blocks()
+    if not blocks:
+        return
+    keys = [d.key for d in conversion.plan.destinations]
+    check_scales_follow(conversion.plan.destinations,
+                        {key: blocks[template]
+                         for key, template in templates_of(keys, list(blocks)).items()})
 
 
 def _some(keys: list[str], count: int = 5) -> str:
@@ -411,10 +485,34 @@ def _record(mapping: ModelMapping, text: str, origin: str, source_dtypes: Mappin
                               "mapping": text, "mapping_origin": origin,
                               "layout": layout_text(mapping.layout),
                               "source_dtypes": dict(sorted(source_dtypes.items()))}
+    if mapping.fp8 and not mapping.dequantizes:
+        record["fp8"] = mapping.fp8.to_json()
     if mapping.options:
         record["options"] = dict(mapping.options)
     if own and mapping.stacking:
         record["stacking"] = [rule.to_json() for rule in mapping.stacking]
+    return record
+
+
+def _dequantized_record(cfg: Config, family, mapping: ModelMapping, text: str,
+                        source_dtypes: Mapping[str, str], own: bool = False
+                        ) -> dict[str, Any]:
+    """The record of a folder whose fp8 weights were dequantized: it holds a plain model,
+    so the record names the mapping from the dequantized Hugging Face model (the one `--to
+    hf` gives back), and says what was done."""
+    assert mapping.fp8 is not None and mapping.dtype is not None
+    fp8 = mapping.fp8
+    plain_dtypes = {template: mapping.dtype if template in fp8.templates else dtype
+                    for template, dtype in source_dtypes.items()
+                    if not template.endswith(SUFFIX)}
+    plain = Config(without_quantization(cfg.data), cfg.path, cfg.present)
+    described = build(family, plain, mapping.target, mapping.mesh, dtype=mapping.dtype,
+                      source_dtypes=plain_dtypes, options=mapping.options)
+    record = _record(described, described.forward, "aoa.models", plain_dtypes, own)
+    record["dequantized"] = {"from": sorted({source_dtypes[t] for t in fp8.templates
+                                             if t in source_dtypes}),
+                             "block": list(fp8.block), "scales": f"*{SUFFIX}",
+                             "mapping": text}
     return record
 
 

@@ -26,6 +26,7 @@ from aoa.models.base import (
     Step,
     TargetMapping,
 )
+from aoa.models.fp8 import SUFFIX, Fp8Weights, scales_of, target_blocks, with_scales
 from aoa.storage.stacked import Stacking
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,6 +51,8 @@ class ModelMapping:
     stacking: tuple[Stacking, ...] = ()
     objects: tuple[str, ...] = ()
     options: Mapping[str, str] = field(default_factory=dict)
+    #: the fp8 weights of the source, with their scales in the mapping
+    fp8: Fp8Weights | None = None
 
     @property
     def name(self) -> str:
@@ -61,9 +64,25 @@ class ModelMapping:
 
     @functools.cached_property
     def source_tensors(self) -> dict[str, Expected]:
-        """The tensors the source checkpoint holds (made when asked: a big MoE has tens of
-        thousands)."""
-        return self.family.tensors(self.config)
+        """The tensors the source checkpoint holds, fp8 scales included (made when asked: a
+        big MoE has tens of thousands)."""
+        tensors = self.family.tensors(self.config)
+        if self.fp8 is not None:
+            templates = templates_of(list(tensors), self.fp8.templates)
+            tensors.update({key + SUFFIX: scales_of(tensors[key], self.fp8.block)
+                            for key in templates})
+        return tensors
+
+    @property
+    def dequantizes(self) -> bool:
+        """Whether the conversion dequantizes the fp8 weights (a dtype is asked for)."""
+        return self.fp8 is not None and self.dtype is not None
+
+    def target_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Target weight template -> its block, for the weights kept in fp8."""
+        if self.fp8 is None or self.dtype is not None:
+            return {}
+        return target_blocks(self.steps, self.fp8.block)
 
     def inverse(self, source_dtypes: Mapping[str, str] | None = None,
                 stored_dtypes: Mapping[str, str] | None = None) -> str:
@@ -79,11 +98,14 @@ class ModelMapping:
 
 def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | None = None,
           source_dtypes: Mapping[str, str] | None = None,
+          fp8: Fp8Weights | None = None,
           options: Mapping[str, str | None] | None = None) -> ModelMapping:
     """The mapping of ``family`` onto ``target`` for this config, mesh and dtype.
     ``source_dtypes``: the dtype of each source key template, when a checkpoint is at hand
-    (casts that would change nothing are then left out); ``options``: the target's own
-    (Megatron's transformer_impl and experts)."""
+    (casts that would change nothing are then left out); ``fp8``: the source's weights
+    stored in fp8, whose scales the mapping then consumes (with a dtype: dequantized) or
+    carries beside them; ``options``: the target's own (Megatron's transformer_impl and
+    experts)."""
     if dtype is not None and dtype not in DTYPES:
         raise ModelError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if target not in family.targets:
@@ -98,10 +120,12 @@ def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | 
         raise ModelError(f"--to {target} takes no option "
                          f"{', '.join('--' + n.replace('_', '-') for n in unknown)}")
     mapping = family.targets[target](cfg, mesh, **given)
+    if fp8 is not None:
+        mapping = with_scales(mapping, fp8, dequantize=dtype is not None)
     forward = _forward_text(family, cfg, target, mapping, dtype, source_dtypes or {})
     return ModelMapping(family, cfg, target, mesh, dtype, forward, layout(mapping, mesh),
                         tuple(mapping.steps), tuple(mapping.stacking), tuple(mapping.objects),
-                        dict(mapping.options))
+                        dict(mapping.options), fp8)
 
 
 def _model_types_by_target() -> dict[str, list[str]]:

@@ -53,6 +53,12 @@ def pack(copies: Sequence[Copy]) -> np.ndarray:
             len(copy.via), *(DTYPE_CODES[dtype] for dtype in copy.via),
             len(copy.shape), *copy.shape, *copy.source_strides, *copy.destination_strides,
         )
+        scale = copy.scale
+        if scale is None:
+            fields.append(0)
+        else:
+            fields += (1, scale.source, DTYPE_CODES[scale.dtype], scale.offset, *scale.blocks,
+                       *scale.phases, *scale.strides)
     try:
         return np.array(fields, dtype=np.int64)
     except OverflowError:
@@ -63,4 +69,7 @@ def pack(copies: Sequence[Copy]) -> np.ndarray:
 def _fits_int64(copy: Copy) -> bool:
     numbers = (copy.source, copy.source_offset, copy.destination, copy.destination_offset,
                *copy.shape, *copy.source_strides, *copy.destination_strides)
+    if copy.scale is not None:
+        scale = copy.scale
+        numbers += (scale.source, scale.offset, *scale.blocks, *scale.phases, *scale.strides)
     return all(-(2**63) <= n < 2**63 for n in numbers)

@@ -80,8 +80,8 @@ def transfer_dtype(plan: Plan, copies: Sequence[PlannedCopy], dtype: str) -> str
     """The dtype to send a shard in: one narrow source dtype that every copy widens exactly
     to ``dtype`` (and the GPU can widen), else ``dtype`` itself."""
     sources = {plan.sources[c.source].dtype or "float32" for c in copies}
-    if len(sources) != 1 or any(c.casts for c in copies):
-        return dtype
+    if len(sources) != 1 or any(c.casts or c.source in plan.scales for c in copies):
+        return dtype  # (a quantized source is dequantized on the host, by the kernel)
     narrow = sources.pop()
     return narrow if (narrow, dtype) in WIDENINGS else dtype
 
@@ -115,7 +115,7 @@ def staged_plan(plan: Plan, targets: Mapping[int, DeviceBuffer], staging_bytes: 
             slabs.append(Slab(index, (start, stop), staged,
                               target.pointer + start * row_items * itemsize(dtype),
                               count * itemsize(staged), count * itemsize(dtype)))
-    return Plan(plan.sources, slab_descs, slab_copies), slabs
+    return Plan(plan.sources, slab_descs, slab_copies, scales=plan.scales), slabs
 
 
 def _moved(c: PlannedCopy, destination: int) -> PlannedCopy:

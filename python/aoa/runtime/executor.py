@@ -79,11 +79,19 @@ class PlanExecutor:
             shards.append(shard)
             planned += [(slot, c) for c in copies]
         if planned:
-            used = sorted({c.source for _, c in planned})
+            scale_of = {c: scale for _, c in planned
+                        if (scale := plan.scale_of(c)) is not None}
+            used = sorted({c.source for _, c in planned}
+                          | {scale.scale for scale in scale_of.values()})
             source_slot = {index: k for k, index in enumerate(used)}
             sources = [self._source(index) for index in used]
-            copies_run = [lower(c, plan.sources[c.source], shards[slot],
-                                source_slot[c.source], slot) for slot, c in planned]
+            copies_run = []
+            for slot, c in planned:
+                scale = scale_of.get(c)
+                scales = None if scale is None else (plan.sources[scale.scale],
+                                                     source_slot[scale.scale], scale.block)
+                copies_run.append(lower(c, plan.sources[c.source], shards[slot],
+                                        source_slot[c.source], slot, scales))
             _run(self.backend, copies_run, sources, [piece.buffer for piece in pieces],
                  self.threads)
             if self._release is not None:

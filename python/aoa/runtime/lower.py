@@ -14,13 +14,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
 from aoa.plan import Plan, PlannedCopy
-from aoa.runtime.copies import Copy, c_strides
+from aoa.runtime.copies import BlockScale, Copy, c_strides
+
+#: a dequantizing copy's scales as lowering needs them: (the scale shard, the buffer slot
+#: holding it, elements per block along each axis of the tensor)
+Scales = tuple[ShardDesc, int, tuple[int, ...]]
 
 
 def lower(copy: PlannedCopy, source: ShardDesc, destination: ShardDesc,
-          source_slot: int, destination_slot: int) -> Copy:
+          source_slot: int, destination_slot: int, scales: Scales | None = None) -> Copy:
     """``copy`` between the buffer ``source_slot`` (holding ``source``) and the buffer
-    ``destination_slot`` (holding ``destination``)."""
+    ``destination_slot`` (holding ``destination``), dequantized with ``scales`` if given."""
     source_dtype, destination_dtype = source.dtype or "float32", destination.dtype or "float32"
     source_strides = c_strides(source.local_shape, itemsize(source_dtype))
     destination_strides = c_strides(destination.local_shape, itemsize(destination_dtype))
@@ -28,17 +32,38 @@ def lower(copy: PlannedCopy, source: ShardDesc, destination: ShardDesc,
     destination_offset = sum(a * b for a, b in zip(copy.destination_start, destination_strides))
     if copy.order is not None:
         source_strides = tuple(source_strides[a] for a in copy.order)
+    scale = None if scales is None else block_scale(copy, source, *scales)
     return Copy(source_slot, source_offset, source_strides, destination_slot,
                 destination_offset, destination_strides, copy.shape, source_dtype,
-                destination_dtype, copy.casts)
+                destination_dtype, copy.casts, scale)
+
+
+def block_scale(copy: PlannedCopy, source: ShardDesc, shard: ShardDesc, slot: int,
+                block: tuple[int, ...]) -> BlockScale:
+    """Where the scales of ``copy``'s elements lie in the scale shard ``shard``: from the
+    block of the copy's first element (its global position over the block, counted from
+    the shard's first block), per destination axis the block, the phase and the stride."""
+    first = [o + s for o, s in zip(source.global_offset, copy.source_start)]
+    strides = c_strides(shard.local_shape, itemsize(shard.dtype or "float32"))
+    offset = sum((g // b - o) * t
+                 for g, b, o, t in zip(first, block, shard.global_offset, strides))
+    order = copy.order if copy.order is not None else range(len(first))
+    return BlockScale(slot, offset, tuple(strides[a] for a in order),
+                      tuple(block[a] for a in order), tuple(first[a] % block[a] for a in order),
+                      shard.dtype or "float32")
 
 
 def kernel_copies(plan: Plan, copies: Iterable[PlannedCopy] | None = None) -> list[Copy]:
     """The plan's copies (or ``copies`` of it) for buffers numbered as the plan numbers its
-    shards, in plan order."""
+    shards (scales too), in plan order."""
     sources, destinations = plan.sources, plan.destinations
-    return [lower(c, sources[c.source], destinations[c.destination], c.source, c.destination)
-            for c in (plan.copies if copies is None else copies)]
+    lowered = []
+    for c in plan.copies if copies is None else copies:
+        scale = plan.scale_of(c)
+        scales = None if scale is None else (sources[scale.scale], scale.scale, scale.block)
+        lowered.append(lower(c, sources[c.source], destinations[c.destination], c.source,
+                             c.destination, scales))
+    return lowered
 
 
 def rows_of(shard: ShardDesc, start: int, stop: int, dtype: str | None = None) -> ShardDesc:

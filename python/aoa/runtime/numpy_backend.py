@@ -10,6 +10,9 @@ and infinity in float8_e5m2 (from 61440, halfway past 57344). A float64 rounds o
 straight to bfloat16 or fp8, not through float32, as ml_dtypes does; an int64 rounds once
 too. Casts to integers (from floats, or to another size) are refused.
 
+A dequantizing copy (a `BlockScale`) is defined here: the stored values and their blocks'
+scales, both as float32, multiplied in float32 (one rounding), then cast on as any copy.
+
 A bool is numpy's: any nonzero byte is true, and casts to 1 in every format. (ml_dtypes'
 bool -> bfloat16 and fp8 take the byte's value instead, 2 for a byte 2; so a bool is made
 0 or 1 before any cast. A bool copied as bool keeps its bytes, as numpy's copy does.)
@@ -26,7 +29,13 @@ from numpy.lib.stride_tricks import as_strided
 
 from aoa.dtypes import FLOATING, itemsize, numpy_dtype
 from aoa.errors import ExecutionError
-from aoa.runtime.copies import Copy, check_fields
+from aoa.runtime.copies import (
+    DEQUANTIZED_SOURCES,
+    SCALE_DTYPES,
+    BlockScale,
+    Copy,
+    check_fields,
+)
 
 INTEGERS = frozenset({"int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"})
 _INT64_MAX = 2**63 - 1
@@ -54,6 +63,9 @@ def execute_copies(
                            copy.shape, copy.source_dtype)
             if copy.source_dtype == "bool" and copy.destination_dtype != "bool":
                 values = values.view(np.uint8) != 0
+            if copy.scale is not None:
+                values = values.astype(np.float32) * _scales(
+                    source_bytes[copy.scale.source], copy.scale, copy.shape)
             for dtype in (*copy.via, copy.destination_dtype):
                 values = values.astype(numpy_dtype(dtype))
             target = _view(destination_bytes[copy.destination], copy.destination_offset,
@@ -80,6 +92,15 @@ def byte_array(buffer: object, name: str, *, writable: bool) -> np.ndarray:
     if writable and view.readonly:
         raise ExecutionError(f"{name} is not a writable contiguous buffer: it is read-only")
     return np.frombuffer(view, dtype=np.uint8)
+
+
+def _scales(buffer: np.ndarray, scale: BlockScale, shape: tuple[int, ...]) -> np.ndarray:
+    """Each element's scale as float32, an array of ``shape``: the scales' region, widened,
+    with each block's scale repeated over the block's elements."""
+    grid = _view(buffer, scale.offset, scale.strides, scale.extents(shape), scale.dtype)
+    blocks = [(phase + np.arange(extent)) // block
+              for phase, extent, block in zip(scale.phases, shape, scale.blocks)]
+    return grid.astype(np.float32)[np.ix_(*blocks)]
 
 
 def cast_refusal(source: str, destination: str) -> str | None:
@@ -109,7 +130,10 @@ def check_copy(
         raise refuse(
             f"destination {copy.destination} does not exist ({len(destination_sizes)} destinations)"
         )
-    chain = (copy.source_dtype, *copy.via, copy.destination_dtype)
+    scale = copy.scale
+    if scale is not None:
+        _check_scale_fields(copy, scale, len(source_sizes), refuse)
+    chain = ("float32" if scale else copy.source_dtype, *copy.via, copy.destination_dtype)
     for source, destination in pairwise(chain):
         why = cast_refusal(source, destination)
         if why:
@@ -127,14 +151,43 @@ def check_copy(
         ("destination", copy.destination, copy.destination_offset, copy.destination_strides,
          copy.destination_dtype, destination_sizes[copy.destination]),
     ):
-        spans = [(extent - 1) * stride for extent, stride in zip(shape, strides, strict=True)]
-        low = offset + sum(span for span in spans if span < 0)
-        high = offset + sum(span for span in spans if span > 0) + itemsize(dtype)
-        if low < 0 or high > size:
+        if not _fits(offset, shape, strides, itemsize(dtype), size):
             raise refuse(
                 f"{role} region (offset {offset}, shape {shape}, strides {tuple(strides)}) "
                 f"does not fit in {role} {number} of {size} bytes"
             )
+    if scale is not None:
+        blocks = scale.extents(shape)
+        size = source_sizes[scale.source]
+        if not _fits(scale.offset, blocks, scale.strides, itemsize(scale.dtype), size):
+            raise refuse(
+                f"scale region (offset {scale.offset}, blocks {blocks}, strides "
+                f"{tuple(scale.strides)}) does not fit in source {scale.source} of {size} bytes"
+            )
+
+
+def _fits(offset: int, shape: Sequence[int], strides: Sequence[int], item: int,
+          size: int) -> bool:
+    """Whether a region of ``shape`` (no zero extent) lies within ``size`` bytes."""
+    spans = [(extent - 1) * stride for extent, stride in zip(shape, strides, strict=True)]
+    low = offset + sum(span for span in spans if span < 0)
+    high = offset + sum(span for span in spans if span > 0) + item
+    return low >= 0 and high <= size
+
+
+def _check_scale_fields(copy: Copy, scale: BlockScale, sources: int, refuse) -> None:
+    """What a dequantizing copy reads must be a scale region of a known kind."""
+    if not 0 <= scale.source < sources:
+        raise refuse(f"scale source {scale.source} does not exist ({sources} sources)")
+    if copy.source_dtype not in DEQUANTIZED_SOURCES:
+        raise refuse(f"cannot dequantize {copy.source_dtype}: the source must be one of "
+                     f"{', '.join(DEQUANTIZED_SOURCES)}")
+    if scale.dtype not in SCALE_DTYPES:
+        raise refuse(f"scales of {scale.dtype}: they must be one of {', '.join(SCALE_DTYPES)}")
+    if any(block < 1 for block in scale.blocks) or any(
+            not 0 <= phase < block for phase, block in zip(scale.phases, scale.blocks)):
+        raise refuse(f"scale blocks {tuple(scale.blocks)} and phases {tuple(scale.phases)}: "
+                     "every block has an element, every phase lies within its block")
 
 
 def _view(

@@ -86,6 +86,11 @@ FORMAT_MODULES: dict[str, str] = {
 }
 FORMAT_NAMES = tuple(FORMAT_MODULES)
 
+#: Tensor bytes per file of a Hugging Face folder before another file begins (headers not
+#: counted, as in Hugging Face's own sharding); a larger tensor gets a file of its own. Here,
+#: not in `aoa.storage.huggingface`, so that the command line's help needs no numpy.
+DEFAULT_MAX_FILE_BYTES = 5 * 10**9
+
 Location = TypeVar("Location")
 
 

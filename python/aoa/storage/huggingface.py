@@ -15,12 +15,15 @@ from pathlib import Path
 from aoa.errors import StorageError, UsageError
 from aoa.layout import ShardDesc
 from aoa.storage.folder import Staging, output_folder, remove, write_text
-from aoa.storage.formats import Destination, Fill, Format, OutputFile, Piece
+from aoa.storage.formats import (
+    DEFAULT_MAX_FILE_BYTES,
+    Destination,
+    Fill,
+    Format,
+    OutputFile,
+    Piece,
+)
 from aoa.storage.safetensors_folder import INDEX_NAME, SINGLE_NAME, claims, open_folder
-
-#: Tensor bytes per file before another file begins (headers not counted, as in Hugging
-#: Face's own sharding); a larger tensor gets a file of its own.
-DEFAULT_MAX_FILE_BYTES = 5 * 10**9
 
 
 class HuggingFaceDestination(Destination):

@@ -22,15 +22,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from aoa.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, numpy_dtype
 from aoa.errors import StorageError, quote
 from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc
 from aoa.limits import shape_problem
+
+if TYPE_CHECKING:  # reading headers and mapping files needs no numpy: imported when used
+    import numpy as np
 
 #: The reference implementation refuses headers larger than this, and so do we.
 MAX_HEADER_BYTES = 100_000_000
@@ -105,6 +106,8 @@ class SafetensorsFile:
 
     def array(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a read-only numpy view (bf16 and fp8 through ml_dtypes)."""
+        import numpy as np
+
         info = self._info(name)
         return np.frombuffer(self.buffer(name), dtype=numpy_dtype(info.dtype)).reshape(info.shape)
 
