@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +22,26 @@ if TYPE_CHECKING:
 # Each command imports what it needs when it runs (the compiler needs Lark, a conversion
 # numpy and the kernel): `aoa --help` needs none of them (issue 13, goal 6).
 
-EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: Signals that stop a command: each ends it with one line and exit 130, after the files it
+#: was writing are removed.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal, raised in the main thread where Python notices it; what is being
+    written is removed as the exception unwinds."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    for stop in STOP_SIGNALS:  # the cleanup that follows runs to its end
+        signal.signal(stop, signal.SIG_IGN)
+    raise Interrupted(signum)
 
 
 def _compilation(args, passes: Sequence[Pass] | None = None) -> Compilation:
@@ -168,6 +189,8 @@ def cmd_convert(args) -> int:
         finally:
             if share is not None:
                 share.close()
+    for note in conversion.write_notes:
+        print(f"note: {note}", file=sys.stderr)
     rate = nbytes / conversion.seconds / 1e9 if conversion.seconds else 0.0
     plural = "s" if len(files) != 1 else ""
     print(f"wrote {len(files)} file{plural} ({nbytes / 1e9:.3f} GB) to "
@@ -389,8 +412,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit:
         return EXIT_USAGE if exit.code else EXIT_OK
+    handlers = ({stop: signal.signal(stop, _stop) for stop in STOP_SIGNALS}
+                if threading.current_thread() is threading.main_thread() else {})
     try:
         return args.run(args)
+    except KeyboardInterrupt as interrupt:
+        signum = interrupt.signum if isinstance(interrupt, Interrupted) else signal.SIGINT
+        print(f"aoa: interrupted by {signal.Signals(signum).name}; nothing was left half-"
+              "written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `aoa explain ... | head`: the reader has seen enough
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes it at exit
         return EXIT_OK
@@ -400,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AoaError as error:
         print(error.render(), file=sys.stderr)
         return EXIT_ERRORS
+    finally:
+        for stop, handler in handlers.items():
+            signal.signal(stop, handler)
 
 
 if __name__ == "__main__":
