@@ -260,8 +260,8 @@ def test_the_mapping_says_what_happens_to_the_scales(tmp_path):
     fp8_folder(tmp_path / "hf")
     with open_source(tmp_path / "hf") as checkpoint:
         kept = plan_job(tmp_path / "hf", checkpoint, target="paddleformers").text
-        dequant = plan_job(tmp_path / "hf", checkpoint, target="paddleformers",
-                           dtype="bfloat16").text
+        job = plan_job(tmp_path / "hf", checkpoint, target="paddleformers", dtype="bfloat16")
+        dequant, described = job.text, job.conversion.plan.describe()
     a = "model.layers.$LAYER_ID.self_attn."
     assert f"{a}o_proj.weight_scale_inv^T -> {a}o_proj.weight_scale_inv\n" in kept
     assert "# fp8 weights kept, each <weight>_scale_inv (one scale per block of 4 x 2)" in kept
@@ -269,6 +269,9 @@ def test_the_mapping_says_what_happens_to_the_scales(tmp_path):
     assert "# fp8 weights dequantized in the copy: each times its <weight>_scale_inv" in dequant
     statements = [line for line in dequant.splitlines() if not line.startswith("#")]
     assert not any("_scale_inv" in line for line in statements)
+    assert ("    [0:8, 0:16] <- model.layers.0.self_attn.o_proj.weight[0:16, 0:8]  (permute "
+            "[1, 0]; times the scales of 'model.layers.0.self_attn.o_proj.weight_scale_inv' "
+            "per block of 4 x 2; cast float8_e4m3fn -> bfloat16)\n") in described
 
 
 @pytest.mark.parametrize("block", [None, [128], "128x128"])
