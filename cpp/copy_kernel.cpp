@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
 #include <utility>
 
+#include "bus_guard.hpp"
 #include "thread_pool.hpp"
 #include "transpose_blocks.hpp"
 
@@ -762,9 +764,21 @@ void run_all(const std::vector<PreparedCopy>& copies, int64_t threads) {
   threads = std::max<int64_t>(1, std::min(threads, total / kMinBytesPerThread));
   // Several items per thread, so that uneven items still balance.
   const WorkItems work = split_work(copies, std::max(kMinBytesPerThread, total / (threads * 8)));
-  run_in_parallel(work.starts.size() - 1, threads, [&work](size_t item) {
-    for (size_t p = work.starts[item]; p < work.starts[item + 1]; ++p) run_piece(work.pieces[p]);
+  bus::install();
+  std::atomic<bool> faulted{false};
+  std::atomic<void*> fault_address{nullptr};
+  run_in_parallel(work.starts.size() - 1, threads, [&](size_t item) {
+    if (faulted.load(std::memory_order_relaxed)) return;  // memory vanished: stop
+    void* address = nullptr;
+    const bool done = run_guarded(
+        [&] {
+          for (size_t p = work.starts[item]; p < work.starts[item + 1]; ++p)
+            run_piece(work.pieces[p]);
+        },
+        &address);
+    if (!done && !faulted.exchange(true)) fault_address.store(address);
   });
+  if (faulted.load()) throw BusError(fault_address.load());
 }
 
 }  // namespace

@@ -130,3 +130,32 @@ def test_mapping_as_paddle_config_json(files, capsys):
     (files / "config.json").write_text(json.dumps(
         {"aoa_statements": ["w^T -> v"], "aoa_config_reverse": False}))
     assert run(files, "check", "config.json", "--destination", str(files / "dst.json")) == 0
+
+
+def _modules_after(code: str) -> set[str]:
+    """The top-level modules a fresh interpreter has imported after running ``code``."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sys.modules))"],
+        capture_output=True, text=True, check=True)
+    last_line = result.stdout.splitlines()[-1]  # after what ``code`` printed
+    return {name.split(".")[0] for name in last_line.split()}
+
+
+def test_help_and_check_import_only_what_they_need(files):
+    """Start-up (issue 13, goal 6): `aoa --help` needs neither the compiler (Lark) nor
+    numpy; checking a mapping of whole source tensors needs Lark but not numpy (which
+    compares shards only where a key has several), ml_dtypes or the kernel."""
+    heavy = {"lark", "numpy", "ml_dtypes", "torch"}
+    help_modules = _modules_after(
+        "from aoa.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass")
+    assert help_modules & heavy == set()
+    (files / "whole.json").write_text(json.dumps(
+        {"w": [{"key": "w", "local_shape": [4, 4], "global_shape": [4, 4],
+                "global_offset": [0, 0], "dtype": "float32"}]}))
+    check = [str(files / "ok.aoa"), "--source", str(files / "whole.json"), "--destination",
+             str(files / "dst.json")]
+    check_modules = _modules_after(f"from aoa.cli import main\nmain(['check', *{check!r}])")
+    assert check_modules & heavy == {"lark"}

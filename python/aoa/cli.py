@@ -3,34 +3,62 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aoa.errors import AoaError, UsageError
-from aoa.inputs import load_json, read_text
-from aoa.mapping import read_mapping, read_shard_info, read_source_shards
-from aoa.passes import PIPELINE, Pass, propagate_shapes, share_instances, through
-from aoa.passes.context import CompileContext
-from aoa.passes.parse import texts
-from aoa.pipeline import Compilation, analyze, new_context, run_passes
-from aoa.printer import Printer
-from aoa.storage.formats import FORMAT_NAMES
-from aoa.storage.huggingface import DEFAULT_MAX_FILE_BYTES
+from aoa.storage.formats import DEFAULT_MAX_FILE_BYTES, FORMAT_NAMES
 
-EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+if TYPE_CHECKING:
+    from aoa.passes import Pass
+    from aoa.passes.context import CompileContext
+    from aoa.pipeline import Compilation
+
+# Each command imports what it needs when it runs (the compiler needs Lark, a conversion
+# numpy and the kernel): `aoa --help` needs none of them (issue 13, goal 6).
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: Signals that stop a command: each ends it with one line and exit 130, after the files it
+#: was writing are removed.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
 
 
-def _compilation(args, passes: Sequence[Pass] = PIPELINE) -> Compilation:
+class Interrupted(KeyboardInterrupt):
+    """A stop signal, raised in the main thread where Python notices it; what is being
+    written is removed as the exception unwinds."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    for stop in STOP_SIGNALS:  # the cleanup that follows runs to its end
+        signal.signal(stop, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _compilation(args, passes: Sequence[Pass] | None = None) -> Compilation:
+    from aoa.mapping import read_mapping, read_shard_info, read_source_shards
+    from aoa.passes import PIPELINE
+    from aoa.pipeline import analyze
+
     statements, reverse, file = read_mapping(args.mapping)
     return analyze(statements, read_source_shards(args.source, args.source_format),
                    read_shard_info(args.destination, "destination"),
-                   reverse=reverse or args.reverse, file=file, passes=passes)
+                   reverse=reverse or args.reverse, file=file,
+                   passes=PIPELINE if passes is None else passes)
 
 
 def cmd_compile(args) -> int:
+    import json
+
     compilation = _compilation(args)
     plan = compilation.plan()
     text = json.dumps(plan.to_json(), indent=1)
@@ -46,6 +74,9 @@ def cmd_compile(args) -> int:
 def cmd_explain(args) -> int:
     if args.print_after or args.time_passes:
         return _explain_passes(args)
+    from aoa.passes import propagate_shapes, share_instances, through
+    from aoa.printer import Printer
+
     printer = Printer(sys.stdout)
     # every template instance in full, and nothing planned unless asked
     compilation = _compilation(args, tuple(p for p in through(propagate_shapes)
@@ -64,6 +95,12 @@ def cmd_explain(args) -> int:
 def _explain_passes(args) -> int:
     """The pipeline as `aoa compile` runs it, printing the IR after the passes asked for
     (up to the last of them, or all with --time-passes or --plan) and timing each."""
+    from aoa.mapping import read_mapping, read_shard_info, read_source_shards
+    from aoa.passes import PIPELINE, through
+    from aoa.passes.parse import texts
+    from aoa.pipeline import new_context, run_passes
+    from aoa.printer import Printer
+
     printer = Printer(sys.stdout)
     wanted = set(args.print_after or ())
     if "all" in wanted:
@@ -121,6 +158,7 @@ def cmd_convert(args) -> int:
             raise UsageError(f"--{option.replace('_file', '').replace('_', '-')} goes with --to")
     from aoa.jobs.convert import execute, prepare
     from aoa.jobs.distributed import rank_share
+    from aoa.mapping import read_mapping, read_shard_info
     from aoa.mesh_layout import read_mesh_layout
     from aoa.runtime.progress import progress_bar
     from aoa.storage.formats import open_source
@@ -151,6 +189,8 @@ def cmd_convert(args) -> int:
         finally:
             if share is not None:
                 share.close()
+    for note in conversion.write_notes:
+        print(f"note: {note}", file=sys.stderr)
     rate = nbytes / conversion.seconds / 1e9 if conversion.seconds else 0.0
     plural = "s" if len(files) != 1 else ""
     print(f"wrote {len(files)} file{plural} ({nbytes / 1e9:.3f} GB) to "
@@ -222,6 +262,7 @@ def cmd_convert_model(args) -> int:
 
 def cmd_mapping(args) -> int:
     """`aoa mapping --config config.json --to TARGET`: the mapping and layout to read or edit."""
+    from aoa.inputs import load_json, read_text
     from aoa.mesh_layout import layout_text
     from aoa.models import Config, mapping_for
 
@@ -279,6 +320,19 @@ def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = False
                              "(local_experts.N)")
 
 
+class _PassNames:
+    """The choices of --print-after: the pipeline's pass names and 'all', looked up only
+    when an argument is checked or `aoa explain --help` shows them."""
+
+    def __iter__(self) -> Iterator[str]:
+        from aoa.passes import PIPELINE
+
+        return iter([p.NAME for p in PIPELINE] + ["all"])
+
+    def __contains__(self, name: object) -> bool:
+        return name in list(self)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aoa", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -291,10 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_program_arguments(explain)
     explain.add_argument("--plan", action="store_true", help="also describe the plan")
     explain.add_argument("--print-after", action="append", metavar="PASS",
-                         choices=[p.NAME for p in PIPELINE] + ["all"],
+                         choices=_PassNames(),
                          help="print the IR after this pass (repeatable; 'all': every "
                               "pass), running the passes as `aoa compile` does: "
-                              + ", ".join(p.NAME for p in PIPELINE))
+                              "%(choices)s")
     explain.add_argument("--time-passes", action="store_true",
                          help="time each pass (on stderr)")
     explain.set_defaults(run=cmd_explain)
@@ -358,8 +412,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit:
         return EXIT_USAGE if exit.code else EXIT_OK
+    handlers = ({stop: signal.signal(stop, _stop) for stop in STOP_SIGNALS}
+                if threading.current_thread() is threading.main_thread() else {})
     try:
         return args.run(args)
+    except KeyboardInterrupt as interrupt:
+        signum = interrupt.signum if isinstance(interrupt, Interrupted) else signal.SIGINT
+        print(f"aoa: interrupted by {signal.Signals(signum).name}; nothing was left half-"
+              "written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `aoa explain ... | head`: the reader has seen enough
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes it at exit
         return EXIT_OK
@@ -369,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AoaError as error:
         print(error.render(), file=sys.stderr)
         return EXIT_ERRORS
+    finally:
+        for stop, handler in handlers.items():
+            signal.signal(stop, handler)
 
 
 if __name__ == "__main__":

@@ -6,27 +6,45 @@ module is the one place that knows what those names mean for numpy and for safet
 
 from __future__ import annotations
 
-import ml_dtypes
-import numpy as np
+import functools
+from typing import TYPE_CHECKING
 
-#: Paddle dtype name -> numpy dtype (bf16 and fp8 through ml_dtypes).
-NUMPY_DTYPES: dict[str, np.dtype] = {
-    "float64": np.dtype(np.float64),
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-    "int64": np.dtype(np.int64),
-    "int32": np.dtype(np.int32),
-    "int16": np.dtype(np.int16),
-    "int8": np.dtype(np.int8),
-    "uint64": np.dtype(np.uint64),
-    "uint32": np.dtype(np.uint32),
-    "uint16": np.dtype(np.uint16),
-    "uint8": np.dtype(np.uint8),
-    "bool": np.dtype(np.bool_),
+if TYPE_CHECKING:
+    import numpy as np
+
+#: Paddle dtype name -> bytes per element. Plain data: compiling needs no numpy, and
+#: importing ml_dtypes (bf16, fp8) costs up to a second, so `NUMPY_DTYPES` is made when
+#: first used.
+ITEMSIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "bool": 1,
 }
+
+
+@functools.cache
+def _numpy_dtypes() -> dict[str, np.dtype]:
+    """Paddle dtype name -> numpy dtype (bf16 and fp8 through ml_dtypes)."""
+    import ml_dtypes
+    import numpy as np
+
+    extra = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+             "float8_e5m2": ml_dtypes.float8_e5m2}
+    return {name: np.dtype(extra.get(name, name)) for name in ITEMSIZES}
+
+
+if TYPE_CHECKING:
+    #: Paddle dtype name -> numpy dtype, in the order of `ITEMSIZES` (made when first used)
+    NUMPY_DTYPES: dict[str, np.dtype]
+
+
+def __getattr__(name: str) -> object:
+    if name == "NUMPY_DTYPES":
+        return _numpy_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The dtypes a cast (``dtype=``, ``src_dtype=``/``dst_dtype=``) may produce. Paddle 3.3.1
 #: allows the first three; aoa adds float64 and the two fp8 formats (spec 0.5).
@@ -54,16 +72,16 @@ _FLOAT_FORMAT = {
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of ``dtype``."""
-    return NUMPY_DTYPES[dtype].itemsize
+    return ITEMSIZES[dtype]
 
 
 def numpy_dtype(dtype: str | None) -> np.dtype:
     """The numpy dtype for a Paddle name; ``None`` (unspecified) reads as float32, as in Paddle."""
-    return NUMPY_DTYPES[dtype or "float32"]
+    return _numpy_dtypes()[dtype or "float32"]
 
 
 def is_known(dtype: str) -> bool:
-    return dtype in NUMPY_DTYPES
+    return dtype in ITEMSIZES
 
 
 def is_exact_widening(narrow: str, wide: str) -> bool:

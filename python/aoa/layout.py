@@ -10,14 +10,15 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
-from aoa.dtypes import NUMPY_DTYPES, is_known, itemsize
+from aoa.dtypes import ITEMSIZES, is_known, itemsize
 from aoa.errors import UsageError, quote
 from aoa.inputs import is_text
 from aoa.limits import shape_problem
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: Paddle's OPTIMIZER_STATE_NAME, in the order `split_optimizer_suffix` tries them.
 OPTIMIZER_SUFFIXES = (".w_0", ".moment1_0", ".moment2_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0")
@@ -170,7 +171,7 @@ def _check_shard(shard: ShardDesc) -> None:
         raise UsageError(f"a shard's key must be a text, not {quote(key)}")
     if shard.dtype is not None and not (isinstance(shard.dtype, str) and is_known(shard.dtype)):
         raise UsageError(f"shard of '{key}' has dtype {quote(shard.dtype)}, which aoa does not "
-                         f"know", hint="Known dtypes: " + ", ".join(NUMPY_DTYPES) + ".")
+                         f"know", hint="Known dtypes: " + ", ".join(ITEMSIZES) + ".")
     if len(offsets) == len(sizes) == len(totals) and all(
             o >= 0 and n >= 0 and o + n <= t for o, n, t in zip(offsets, sizes, totals)):
         problem = shape_problem(totals, itemsize(shard.dtype or "float32"))
@@ -221,6 +222,8 @@ def overlapping_pair(shards: Sequence[_Box]) -> tuple[int, int] | None:
     """Positions of two boxes that share an element, if any."""
     if len(shards) < 2:
         return None
+    import numpy as np  # only where shards are compared: most compiles need no numpy
+
     ndim = len(shards[0].global_offset)
     starts = np.array([s.global_offset for s in shards], np.int64).reshape(len(shards), ndim)
     ends = starts + np.array([s.local_shape for s in shards], np.int64).reshape(starts.shape)
@@ -235,6 +238,8 @@ def _overlapping_boxes(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] 
     counts come from a difference array (+1/-1 at each box's corners, then a cumulative sum
     per axis), in time linear in boxes and cells; irregular boxes fall back to pairs.
     """
+    import numpy as np
+
     count, ndim = starts.shape
     if count < 2:
         return None
@@ -261,6 +266,8 @@ def _overlapping_boxes(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] 
 
 def _overlapping_boxes_pairwise(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
     """The same answer by comparing each box with every later one, a block at a time."""
+    import numpy as np
+
     for first in range(0, len(starts), 256):
         block = slice(first, first + 256)
         inner = np.minimum(ends[block, None], ends[None]) > np.maximum(

@@ -88,16 +88,21 @@ class Job:
     def executor(self, *, backend: str = "cpp", threads: int | None = None,
                  progress: Callable[[int], None] | None = None,
                  read: dict[int, ShardDesc] | None = None,
-                 release_pages: bool = True) -> PlanExecutor:
+                 release_pages: bool = True, clear_untouched: bool = False) -> PlanExecutor:
         """An executor reading the plan's source shards from the source's buffers, and
-        dropping their pages from memory after each fill (``release_pages``)."""
+        dropping their pages from memory after each fill (``release_pages``);
+        ``clear_untouched``: see `PlanExecutor`."""
         plan, source = self.plan, self.source
 
         def release(index: int) -> None:
             source.release(plan.sources[index])
 
+        def source_file(index: int) -> object:
+            return source.file_of(plan.sources[index])
+
         return PlanExecutor(plan, self.source_buffer(read), backend=backend, threads=threads,
-                            progress=progress, release=release if release_pages else None)
+                            progress=progress, release=release if release_pages else None,
+                            clear_untouched=clear_untouched, source_file=source_file)
 
 
 def plan_job(mapping: MappingText, source: Source, destination: ShardInfo | None = None,

@@ -14,15 +14,16 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from aoa.errors import StorageError
 from aoa.storage.safetensors import _prefault as prefault
 from aoa.storage.safetensors import _reserve as reserve
 from aoa.storage.safetensors import _sync_folder as sync_folder
 from aoa.storage.safetensors import partial_path
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class MappedFile:

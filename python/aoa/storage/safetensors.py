@@ -22,15 +22,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from aoa.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, numpy_dtype
 from aoa.errors import StorageError, quote
 from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc
 from aoa.limits import shape_problem
+from aoa.storage.formats import FileLayout, ShardSpan
+
+if TYPE_CHECKING:  # reading headers and mapping files needs no numpy: imported when used
+    import numpy as np
 
 #: The reference implementation refuses headers larger than this, and so do we.
 MAX_HEADER_BYTES = 100_000_000
@@ -105,6 +107,8 @@ class SafetensorsFile:
 
     def array(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a read-only numpy view (bf16 and fp8 through ml_dtypes)."""
+        import numpy as np
+
         info = self._info(name)
         return np.frombuffer(self.buffer(name), dtype=numpy_dtype(info.dtype)).reshape(info.shape)
 
@@ -303,6 +307,21 @@ def header_bytes(tensors: Sequence[ShardDesc], metadata: dict[str, str] | None) 
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
+
+
+def file_layout(tensors: Sequence[tuple[int, ShardDesc]], path: Path,
+                metadata: dict[str, str] | None = None) -> FileLayout:
+    """A destination's safetensors file: the header, then each (shard index, shard) back to
+    back, in this order, under its key."""
+    specs = [spec for _, spec in tensors]
+    _check_specs(path, specs, metadata)
+    header = header_bytes(specs, metadata)
+    spans, offset = [], len(header)
+    for index, spec in tensors:
+        nbytes = _nbytes(spec)
+        spans.append(ShardSpan(index, offset, nbytes, itemsize(spec.dtype)))  # type: ignore[arg-type]
+        offset += nbytes
+    return FileLayout(offset, [(0, header)], spans)
 
 
 def _nbytes(spec: ShardDesc) -> int:
