@@ -34,6 +34,37 @@ class ByteView {
   Py_buffer view_{};
 };
 
+PyObject* bus_error_type = nullptr;
+
+// BusError(message, role, index, offset): which buffer the vanished memory was in ("source"
+// or "destination", its index, the byte offset in it), or role None where in none of them.
+[[noreturn]] void raise_bus_error(const void* address,
+                                  const std::vector<aoa::SourceBuffer>& sources,
+                                  const std::vector<aoa::DestinationBuffer>& destinations) {
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  py::object role = py::none();
+  int64_t index = -1, offset = -1;
+  auto find = [&](const char* name, const auto& buffers) {
+    for (size_t i = 0; i < buffers.size() && role.is_none(); ++i) {
+      const auto start = reinterpret_cast<uintptr_t>(buffers[i].data);
+      if (at >= start && at - start < static_cast<uintptr_t>(buffers[i].size)) {
+        role = py::str(name);
+        index = static_cast<int64_t>(i);
+        offset = static_cast<int64_t>(at - start);
+      }
+    }
+  };
+  find("source", sources);
+  find("destination", destinations);
+  const std::string message =
+      role.is_none() ? std::string("bus error outside every buffer")
+                     : "bus error in " + role.cast<std::string>() + " " + std::to_string(index) +
+                           " at byte " + std::to_string(offset) +
+                           ": the memory behind it is gone (a mapped file truncated?)";
+  PyErr_SetObject(bus_error_type, py::make_tuple(message, role, index, offset).ptr());
+  throw py::error_already_set();
+}
+
 void execute_copies(const py::buffer& table, const py::sequence& sources,
                     const py::sequence& destinations, int64_t threads) {
   const py::buffer_info fields = table.request();
@@ -54,9 +85,13 @@ void execute_copies(const py::buffer& table, const py::sequence& sources,
     destination_buffers.push_back({views.back()->data(), views.back()->size()});
   }
 
-  py::gil_scoped_release release;
-  aoa::execute_copies(static_cast<const int64_t*>(fields.ptr), fields.size, source_buffers,
-                      destination_buffers, threads);
+  try {
+    py::gil_scoped_release release;
+    aoa::execute_copies(static_cast<const int64_t*>(fields.ptr), fields.size, source_buffers,
+                        destination_buffers, threads);
+  } catch (const aoa::BusError& error) {
+    raise_bus_error(error.address, source_buffers, destination_buffers);
+  }
 }
 
 }  // namespace
@@ -64,6 +99,13 @@ void execute_copies(const py::buffer& table, const py::sequence& sources,
 PYBIND11_MODULE(_core, m) {
   m.doc() = "The aoa copy kernel: strided region copies with fused casts, over threads.";
   py::register_exception<aoa::CopyError>(m, "CopyError", PyExc_ValueError);
+  bus_error_type = PyErr_NewExceptionWithDoc(
+      "aoa._core.BusError",
+      "Memory behind a buffer vanished while the copies ran (a mapped file truncated):\n"
+      "args are (message, role, index, offset): 'source' or 'destination' (None: neither),\n"
+      "the buffer's index and the byte offset in it. The copies stopped there.",
+      PyExc_RuntimeError, nullptr);
+  m.attr("BusError") = py::handle(bus_error_type);
 
   py::dict codes;
   for (int64_t code = 0; code < aoa::kDtypeCount; ++code)

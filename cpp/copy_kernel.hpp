@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "casts.hpp"
@@ -27,6 +28,17 @@ class CopyError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// A read or write of memory that vanished under the kernel (a mapped file truncated while
+// the copies ran) at `address`: the copies stopped there.
+class BusError : public std::runtime_error {
+ public:
+  explicit BusError(const void* address)
+      : std::runtime_error("bus error at address " +
+                           std::to_string(reinterpret_cast<uintptr_t>(address))),
+        address(address) {}
+  const void* address;
+};
+
 // Int64 fields of one copy in the table, in this order, records back to back:
 //   source, source_offset, destination, destination_offset,
 //   source_dtype, destination_dtype, via_count, via[via_count],
@@ -35,7 +47,9 @@ class CopyError : public std::invalid_argument {
 //   scale_source, scale_dtype, scale_offset, blocks[ndim], phases[ndim], scale_strides[ndim]
 // Strides are in bytes, one per destination axis. Every record is checked (buffer indices,
 // dtype codes, casts, all regions within their buffers) before any byte moves.
-// Sources must not overlap destinations, nor destinations each other.
+// Sources must not overlap destinations, nor destinations each other. A read of memory that
+// vanished (a mapped file truncated meanwhile) stops the copies and throws BusError
+// (bus_guard.hpp) with the address; what was written so far stays.
 void execute_copies(const int64_t* table, int64_t table_length,
                     const std::vector<SourceBuffer>& sources,
                     const std::vector<DestinationBuffer>& destinations, int64_t threads);

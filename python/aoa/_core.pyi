@@ -9,9 +9,14 @@ DTYPE_CODES: dict[str, int]
 class CopyError(ValueError):
     """A copy table the kernel refuses; the message names the copy. Nothing was written."""
 
+class BusError(RuntimeError):
+    """Memory behind a buffer vanished while the copies ran (a mapped file truncated):
+    ``args`` are (message, role, index, offset): "source" or "destination" (None: in
+    neither), the buffer's index and the byte offset in it. The copies stopped there."""
+
 def execute_copies(table: Any, sources: Sequence[Any], destinations: Sequence[Any],
                    threads: int = 1) -> None:
     """Run every copy of ``table`` (a contiguous 1-d int64 buffer of records, see
     cpp/copy_kernel.hpp) from the ``sources`` buffers into the writable ``destinations``,
     on up to ``threads`` threads, the GIL released. Raises CopyError naming the copy before
-    any byte moves."""
+    any byte moves, BusError where a buffer's memory vanished under the copies."""

@@ -1,5 +1,6 @@
-"""The executor fills a destination whole or a range of rows at a time (the pieces a
-staging destination hands out), with the same bytes as the numpy reference."""
+"""The executor fills a destination whole or a range of rows at a time (pieces given as the
+range of elements the rows hold), with the same bytes as the numpy reference. Ranges whose
+edges fall anywhere are in tests/runtime/test_lower.py."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_rows_of_a_destination_fill_what_the_whole_fills(backend, cuts):
     executor = PlanExecutor(plan, sources.__getitem__, backend=backend)
     for index, shard in enumerate(plan.destinations):
         whole = np.zeros(shard.local_shape, numpy_dtype(shard.dtype))
-        pieces = [Piece(index, whole[start:stop], (start, stop))
+        row = int(np.prod(shard.local_shape[1:]))
+        pieces = [Piece(index, whole[start:stop], (start * row, stop * row))
                   for start, stop in pairwise(cuts)]
         executor.fill(pieces)
         assert whole.tobytes() == expected[index].tobytes(), shard.key

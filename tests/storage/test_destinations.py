@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
-from safetensors_files import hf_index
 from sharding import assemble, sharded
 
 from aoa.errors import StorageError, UsageError
 from aoa.layout import ShardDesc
-from aoa.storage import OutputFile, Piece, open_source
+from aoa.storage import Destination, OutputFile, Piece, open_source
 from aoa.storage.dcp_safetensors import DcpSafetensorsDestination
+from aoa.storage.folder import Sharing
 from aoa.storage.huggingface import HuggingFaceDestination
 
 FillShard = Callable[[ShardDesc, memoryview], None]
@@ -51,7 +51,7 @@ def filler(shards: Sequence[ShardDesc], fill_shard: FillShard):
     """A Fill that hands each piece's shard and buffer to ``fill_shard``."""
     def fill(pieces: Sequence[Piece]) -> None:
         for piece in pieces:
-            assert piece.rows is None
+            assert piece.elements is None
             fill_shard(shards[piece.shard], piece.buffer)  # type: ignore[arg-type]
     return fill
 
@@ -116,12 +116,23 @@ def test_hugging_face_checkpoint_in_several_files(tmp_path: Path) -> None:
 
 
 def test_hugging_face_checkpoint_in_one_file(tmp_path: Path) -> None:
-    hf_index(tmp_path, {"old": "model-00001-of-00009.safetensors"})  # from an earlier run
     written = write_hf(tmp_path, vectors(3), fill_arange)
     assert written == [tmp_path / "model.safetensors"]
     assert listing(tmp_path) == ["model.safetensors"]
     with safe_open(tmp_path / "model.safetensors", framework="numpy") as file:
         assert file.get_tensor("t0").tolist() == [0, 1, 2]
+
+
+def write_as_rank(destination: Destination, rank: int, world_size: int,
+                  files: Sequence[OutputFile], fill_shard: FillShard) -> None:
+    """Rank ``rank`` of a conversion writing ``files``; rank 0 last, publishing them all."""
+    with destination:
+        destination.check(Sharing("conversion", rank, world_size))
+        destination.write(filler(destination.shards, fill_shard), files)
+        if rank == 0:
+            destination.commit()
+        else:
+            destination.output.mark_done()
 
 
 def test_ranks_write_their_own_hugging_face_files(tmp_path: Path) -> None:
@@ -130,16 +141,17 @@ def test_ranks_write_their_own_hugging_face_files(tmp_path: Path) -> None:
     write_hf(together, tensors, fill_arange, max_file_bytes=40)
     apart = tmp_path / "apart"
     files = HuggingFaceDestination.plan_files(tensors, None, max_file_bytes=40)
-    for rank in range(2):
-        HuggingFaceDestination(apart, tensors, files).write(filler(tensors, fill_arange),
-                                                            files[rank::2])
-    HuggingFaceDestination(apart, tensors, files).commit()
+    for rank in (1, 0):
+        write_as_rank(HuggingFaceDestination(apart, tensors, files), rank, 2, files[rank::2],
+                      fill_arange)
+        if rank == 1:  # staged, and nothing visible yet
+            assert listing(apart) == [".aoa-lock", ".aoa-staging"]
     assert listing(apart) == listing(together)
     for name in listing(together):
         assert (apart / name).read_bytes() == (together / name).read_bytes()
 
 
-def test_failing_fill_leaves_no_files(tmp_path: Path) -> None:
+def test_failing_fill_leaves_nothing(tmp_path: Path) -> None:
     calls: list[str] = []
 
     def fill(shard: ShardDesc, view: memoryview) -> None:
@@ -149,29 +161,30 @@ def test_failing_fill_leaves_no_files(tmp_path: Path) -> None:
         fill_arange(shard, view)
 
     with pytest.raises(RuntimeError, match="copy failed"):
-        write_hf(tmp_path / "out", vectors(5, 5, 30, 1), fill, max_file_bytes=40)
+        write_hf(tmp_path / "out" / "nested", vectors(5, 5, 30, 1), fill, max_file_bytes=40)
     assert calls == ["t0", "t1", "t2", "t3"]
-    assert listing(tmp_path / "out") == []
+    assert listing(tmp_path) == []  # the folders it made are gone too
 
 
-def test_failing_rename_removes_the_files_already_in_place(tmp_path: Path) -> None:
+def test_failing_publish_moves_back_what_it_moved(tmp_path: Path) -> None:
+    shards = vectors(10, 10)
+    files = HuggingFaceDestination.plan_files(shards, None, max_file_bytes=40)
+    destination = HuggingFaceDestination(tmp_path, shards, files)
+    destination.write(filler(shards, fill_arange))
     (tmp_path / "model-00002-of-00002.safetensors").mkdir()  # the rename onto it fails
     with pytest.raises(StorageError) as caught:
-        write_hf(tmp_path, vectors(10, 10), fill_arange, max_file_bytes=40)
+        destination.commit()
     path = tmp_path / "model-00002-of-00002.safetensors"
-    assert caught.value.message == f"{path}: cannot write: Is a directory"
+    assert caught.value.message == f"{path}: cannot publish: Is a directory"
     assert listing(tmp_path) == ["model-00002-of-00002.safetensors"]
 
 
-def test_failing_fill_keeps_an_older_checkpoint(tmp_path: Path) -> None:
+def test_a_folder_holding_a_checkpoint_is_left_alone(tmp_path: Path) -> None:
     write_hf(tmp_path, vectors(3), fill_arange)
     before = (tmp_path / "model.safetensors").read_bytes()
-
-    def fill(shard: ShardDesc, view: memoryview) -> None:
-        raise RuntimeError("copy failed")
-
-    with pytest.raises(RuntimeError):
-        write_hf(tmp_path, vectors(3), fill)
+    message = storage_error(write_hf, tmp_path, vectors(3), fill_arange)
+    assert message == (f"{tmp_path}: the output folder already holds a checkpoint "
+                       "(model.safetensors)")
     assert listing(tmp_path) == ["model.safetensors"]
     assert (tmp_path / "model.safetensors").read_bytes() == before
 
@@ -228,8 +241,11 @@ def test_sharded_checkpoint_round_trip(tmp_path: Path) -> None:
 def test_ranks_write_their_own_sharded_files(tmp_path: Path) -> None:
     whole, bias = arange(4, 2), arange(2)
     shards, ranks = split_rows(whole, 2)
-    for rank in range(2):
-        write_ranks(tmp_path, shards, ranks, fill_from(whole, bias), slice(rank, rank + 1))
+    files = DcpSafetensorsDestination.plan_files(shards, ranks)
+    for rank in (1, 0):
+        write_as_rank(DcpSafetensorsDestination(tmp_path, shards, files), rank, 2,
+                      files[rank:rank + 1], fill_from(whole, bias))
+    assert listing(tmp_path) == [f.filename for f in files]
     with open_source(tmp_path) as checkpoint:
         np.testing.assert_array_equal(assemble(checkpoint, "w"), whole)
 

@@ -10,7 +10,8 @@ from safetensors_files import dcp_file, save
 
 from aoa.errors import StorageError, UsageError
 from aoa.storage import FORMAT_NAMES, detect, format_named, open_source
-from aoa.storage.formats import check_output_folder
+from aoa.storage.folder import check_output_folder
+from aoa.storage.formats import checkpoint_patterns
 
 
 def test_every_name_of_the_issue_is_known() -> None:
@@ -68,16 +69,18 @@ def test_source_format_given_by_name(tmp_path: Path) -> None:
 
 
 def test_output_folder_check(tmp_path: Path) -> None:
-    check_output_folder(tmp_path / "new")
+    patterns = checkpoint_patterns()
+    assert {"*.safetensors", "model.safetensors.index.json"} <= set(patterns)
+    check_output_folder(tmp_path / "new", patterns)
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    (tmp_path / ".model.safetensors.aoa-partial").write_text("a partial file of another run")
-    check_output_folder(tmp_path)
+    (tmp_path / ".aoa-staging").mkdir()
+    (tmp_path / ".aoa-staging" / "model.safetensors").write_text("a file of another run")
+    check_output_folder(tmp_path, patterns)
     save(tmp_path / "model.safetensors", {"w": np.zeros(2, np.float32)})
     with pytest.raises(StorageError) as caught:
-        check_output_folder(tmp_path)
+        check_output_folder(tmp_path, patterns)
     assert caught.value.message == (
         f"{tmp_path}: the output folder already holds a checkpoint (model.safetensors)")
-    check_output_folder(tmp_path, {"model.safetensors"})  # ours: written by another rank
     with pytest.raises(StorageError) as caught:
-        check_output_folder(tmp_path / "notes.txt")
+        check_output_folder(tmp_path / "notes.txt", patterns)
     assert caught.value.message == f"{tmp_path / 'notes.txt'}: the output is a file, not a folder"

@@ -238,3 +238,46 @@ def test_a_bad_file_names_itself(tmp_path: Path) -> None:
     assert storage_error(open_source, tmp_path).startswith(
         f"{tmp_path / 'b.safetensors'}: truncated"
     )
+
+
+# ------------------------------------------------------------------ incomplete numbered sets
+
+
+def test_a_numbered_set_missing_a_file_is_refused(tmp_path: Path) -> None:
+    save_file({"a": arange(2)}, tmp_path / "model-00001-of-00003.safetensors")
+    save_file({"c": arange(2)}, tmp_path / "model-00003-of-00003.safetensors")
+    with pytest.raises(StorageError) as caught:
+        open_source(tmp_path)
+    assert caught.value.message == (
+        f"{tmp_path}: holds 2 of the 3 files model-*-of-00003.safetensors; missing "
+        "model-00002-of-00003.safetensors")
+    assert caught.value.hint is not None and "did not finish" in caught.value.hint
+
+
+def test_one_rank_file_of_two_is_refused(tmp_path: Path) -> None:
+    """A conversion killed between its renames: rank 0's half of each tensor would read back
+    as a whole tensor of half the shape."""
+    dcp_file(tmp_path / "rank-00000-of-00002.safetensors", {"w": (arange(2, 3), [0, 0])})
+    message = storage_error(open_source, tmp_path)
+    assert message == (f"{tmp_path}: holds 1 of the 2 files rank-*-of-00002.safetensors; "
+                       "missing rank-00001-of-00002.safetensors")
+    alone = tmp_path / "rank-00000-of-00002.safetensors"
+    with pytest.raises(StorageError) as caught:
+        open_source(alone)
+    assert caught.value.message == (f"{alone}: one of the 2 rank files of a sharded checkpoint; "
+                                    "its chunks alone do not make the tensors")
+    assert caught.value.hint == f"Give the folder: --source {tmp_path}"
+
+
+def test_whole_numbered_sets_read(tmp_path: Path) -> None:
+    for rank in range(2):
+        dcp_file(tmp_path / f"rank-{rank:05d}-of-00002.safetensors",
+                 {"w": (arange(2, 3) + 6 * rank, [2 * rank, 0])})
+    with open_source(tmp_path) as checkpoint:
+        np.testing.assert_array_equal(assemble(checkpoint, "w"), arange(4, 3))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": arange(2)}, hf / "model-00001-of-00002.safetensors")
+    save_file({"b": arange(2)}, hf / "model-00002-of-00002.safetensors")
+    with open_source(hf) as checkpoint:  # no index: every file of the set
+        assert sorted(checkpoint.shards) == ["a", "b"]

@@ -16,7 +16,7 @@ from aoa.errors import UsageError, quote
 from aoa.layout import ShardDesc, as_shard
 from aoa.passes import propagate_shapes, through
 from aoa.passes.plan import Planner
-from aoa.pipeline import analyze_in, new_context
+from aoa.pipeline import compile_in, new_context
 from aoa.symbolic import Op, Permute
 
 #: Paddle's shard descriptor; the same fields and value semantics.
@@ -69,12 +69,12 @@ class AOAEngine:
         ctx = new_context(source_state_shard_info, destination_state_shard_info, self.reverse)
         self.source = ctx.source
         self.destination = ctx.destination
-        self.compilation = analyze_in(ctx, self.statements, passes=through(propagate_shapes))
+        self.compilation = compile_in(ctx, self.statements, passes=through(propagate_shapes))
         self._planner = Planner(self.compilation.tensors, ctx)
         if self.destination is not None:
             # every shard planned (so checked) here: wrong programs are refused before any
             # byte moves, not at the query that hits them
-            self.compilation.planned = self._planner.plan()
+            self.compilation.plan(planner=self._planner)
         #: destination key -> position of each of its planned shards by box and dtype
         self._positions: dict[str, dict[_Box, int]] = {}
         #: (id of a planned key's answers, position) -> the Paddle entries' parts

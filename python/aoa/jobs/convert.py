@@ -2,17 +2,17 @@
 and format.
 
 prepare (compile, plan, decide the destination shards and the files that hold them; nothing
-is written, so a dry run can print it) -> execute (the destination format writes each file,
-the kernel filling it in place) -> commit (the index, where the format has one). Memory stays
-near one destination file: files are written one after another, and source bytes are read
-through the source files' mappings.
+is written, so a dry run can print it) -> execute (the destination locks the output folder,
+writes each file through staging buffers the kernel fills, then publishes them all with the
+index). Memory stays near the staging buffers: source bytes are read through the source
+files' mappings, and their pages dropped once read.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aoa.block_scales import Quantized, without_scales
@@ -22,7 +22,6 @@ from aoa.layout import ShardDesc
 from aoa.mapping import MappingText, as_mapping
 from aoa.mesh_layout import MeshLayout
 from aoa.plan import Plan
-from aoa.storage.folder import remove
 from aoa.storage.formats import Destination, Format, OutputFile, Source, format_named
 from aoa.storage.stacked import Stacking, stack_shards
 
@@ -40,6 +39,8 @@ class Conversion:
     seconds: float = 0.0
     stored: list[ShardDesc] | None = None
     objects: dict[str, bytes] | None = None
+    #: what the destination said about the write (a file system refusing direct I/O)
+    write_notes: list[str] = field(default_factory=list)
 
     @property
     def plan(self) -> Plan:
@@ -58,7 +59,7 @@ class Conversion:
         """The destination shards as the files hold them."""
         return self.stored if self.stored is not None else self.plan.destinations
 
-    def destination(self, output: str | Path) -> Destination:
+    def destination(self, output: str | Path, *, direct: bool = True) -> Destination:
         """The output checkpoint in ``output``, in the conversion's format; the source's
         objects are carried where the format holds the source format's objects."""
         destination = self.format.destination
@@ -67,7 +68,8 @@ class Conversion:
         objects = self.objects
         if objects is None:
             objects = source.objects() if source.format in destination.objects_family else {}
-        return destination(output, self.shards, self.files, source.extras(), objects)
+        return destination(output, self.shards, self.files, source.extras(), objects,
+                           direct=direct)
 
     def describe(self) -> str:
         assert self.format.destination is not None
@@ -86,17 +88,19 @@ class Conversion:
 
 
 def destination_shards(mapping: MappingText, source: ShardInfo, *,
-                       layout: MeshLayout | None = None, destination: ShardInfo | None = None
+                       layout: MeshLayout | None = None, destination: ShardInfo | None = None,
+                       strict: bool = True
                        ) -> tuple[ShardInfo | None, list[list[int]] | None]:
     """The destination shards by key (None: derive whole outputs) and, when there are
     ranks, each rank's shards as positions in the key-by-key listing.
 
     A mesh layout splits what the program makes (compiled once without a destination for
-    that); with a shard list, rank i holds the i-th listed shard of each key."""
+    that; ``strict``: a rule that decides no tensor is an error); with a shard list, rank i
+    holds the i-th listed shard of each key."""
     if layout is not None and destination is not None:
         raise UsageError("give a layout or a destination shard list, not both")
     if layout is not None:
-        shards = layout.shards(derived_outputs(mapping, source))
+        shards = layout.shards(derived_outputs(mapping, source, strict=strict), strict=strict)
         return shards.by_key, shards.ranks
     if destination is None:
         return None, None
@@ -115,7 +119,8 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
             layout: MeshLayout | None = None, destination: ShardInfo | None = None,
             output_format: str | None = None, max_file_bytes: int | None = None,
             stacking: Sequence[Stacking] = (), objects: Mapping[str, bytes] | None = None,
-            quantized: Mapping[str, Quantized] | None = None) -> Conversion:
+            quantized: Mapping[str, Quantized] | None = None, strict: bool = True
+            ) -> Conversion:
     """Compile and plan; decide the destination shards and the files that hold them.
 
     No layout and no destination: full, unsharded tensors (``safetensors``, Hugging Face
@@ -125,15 +130,16 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
     ``objects``: write these items that are not tensors (default: carry the source's where
     the format holds them). ``quantized``: source keys stored with block scales
     (`aoa.block_scales`), dequantized where the mapping casts them; the mapping does not see
-    their scales."""
+    their scales. ``strict`` (default) refuses likely mistakes in the mapping and the
+    layout; False keeps Paddle's meaning (`aoa.passes.context.CompileContext`)."""
     mapping = as_mapping(mapping)
     format = format_named(output_format, "output") if output_format is not None else None
     by_key, ranks = destination_shards(mapping, without_scales(source.shards, quantized),
-                                       layout=layout, destination=destination)
+                                       layout=layout, destination=destination, strict=strict)
     if format is None:
         format = format_named("dcp-safetensors" if ranks is not None else "safetensors",
                               "output")
-    job = plan_job(mapping, source, by_key, quantized=quantized)
+    job = plan_job(mapping, source, by_key, quantized=quantized, strict=strict)
     assert format.destination is not None
     stored = stack_shards(job.plan.destinations, stacking) if stacking else None
     files = format.destination.plan_files(stored or job.plan.destinations, ranks,
@@ -144,21 +150,18 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
 
 def execute(conversion: Conversion, output: str | Path, *, threads: int | None = None,
             backend: str = "cpp", progress: Callable[[int], None] | None = None,
-            check_output: bool = True) -> list[Path]:
-    """Write every file of the conversion into ``output``, then commit (the index). A
-    failure leaves none of the files."""
-    with conversion.destination(output) as destination:
-        if check_output:
-            destination.check()
+            direct: bool = True) -> list[Path]:
+    """Write every file of the conversion into ``output`` and publish them with the index;
+    ``direct``: write around the page cache where the file system allows. A failure (or an
+    interrupt) leaves nothing."""
+    with conversion.destination(output, direct=direct) as destination:
+        destination.check()
         start = time.perf_counter()
         paths = write(conversion, destination, conversion.files, threads=threads,
                       backend=backend, progress=progress)
-        try:
-            paths += destination.commit()
-        except BaseException:
-            remove(paths)
-            raise
+        paths += destination.commit()
     conversion.seconds = time.perf_counter() - start
+    conversion.write_notes = destination.notes
     return paths
 
 
@@ -166,5 +169,6 @@ def write(conversion: Conversion, destination: Destination, files: Sequence[Outp
           threads: int | None = None, backend: str = "cpp",
           progress: Callable[[int], None] | None = None) -> list[Path]:
     """Fill and finish ``files`` of the conversion (all, or a rank's share)."""
-    executor = conversion.job.executor(backend=backend, threads=threads, progress=progress)
+    executor = conversion.job.executor(backend=backend, threads=threads, progress=progress,
+                                       clear_untouched=True)
     return destination.write(executor.fill, files)

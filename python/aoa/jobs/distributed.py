@@ -8,13 +8,13 @@ forever for another). Under torch.distributed that is `all_gather_object` on any
 torch is imported only when it is already in use (or torchrun's environment says so).
 
 Without torch.distributed, `aoa convert --rank R --world-size N` coordinates through the
-output folder: each rank leaves a hidden marker file when its files are in place, and rank
-0 writes the index once every marker is there.
+output folder (`aoa.storage.folder`): the ranks of one conversion share its lock, each
+leaves a marker in the staging folder when its files are staged, and rank 0 publishes every
+file and the index once every marker is there. Ranks need not run at the same time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aoa.errors import AoaError, StorageError, UsageError
+from aoa.errors import AoaError, UsageError
 from aoa.layout import ShardDesc
 
 if TYPE_CHECKING:  # aoa.jobs.convert is imported when a conversion runs, not to ask world()
     from aoa.jobs.convert import Conversion
-    from aoa.storage.formats import Destination, OutputFile
+    from aoa.storage.formats import OutputFile
 
 
 # -- torch.distributed ---------------------------------------------------------------------
@@ -128,57 +128,45 @@ class RankShare:
     def execute(self, conversion: Conversion, output: str | os.PathLike[str], *,
                 threads: int | None = None, progress: Callable[[int], None] | None = None,
                 poll_seconds: float = 0.2, timeout: float | None = None) -> None:
-        """Write this rank's files; rank 0 then commits (the index), once every rank is done.
+        """Write this rank's files; rank 0 then publishes them all with the index, once every
+        rank is done. A failure on any rank removes this rank's files.
 
         ``timeout`` bounds rank 0's wait for the other ranks' markers (None: no bound)."""
-        output = Path(output)
-        with conversion.destination(output) as destination:
-            self._execute(conversion, destination, threads=threads, progress=progress,
-                          poll_seconds=poll_seconds, timeout=timeout)
-
-    def _execute(self, conversion: Conversion, destination: Destination, *,
-                 threads: int | None, progress: Callable[[int], None] | None,
-                 poll_seconds: float, timeout: float | None) -> None:
         from aoa.jobs.convert import write
+        from aoa.storage.folder import Sharing
 
-        output = destination.folder
         mine = self.files(conversion)
         if threads is None and self.collective:
             threads = threads_per_rank()
-        error: BaseException | None = None
-        if self.collective:
+        sharing = Sharing(_fingerprint(conversion), self.rank, self.world_size)
+        with conversion.destination(Path(output)) as destination:
+            error: BaseException | None = None
+            if self.collective:
+                try:
+                    destination.check(sharing)  # before anyone writes: all see the same folder
+                except AoaError as failure:
+                    error = failure
+                agree(error, "to check the output folder", self.group)
+            else:
+                destination.check(sharing)
+            start = time.perf_counter()
             try:
-                destination.check()  # before anyone writes: all see the same folder
-            except AoaError as failure:
+                write(conversion, destination, mine, threads=threads, progress=progress)
+            except Exception as failure:
+                if not self.collective:
+                    raise
                 error = failure
-            agree(error, "to check the output folder", self.group)
-        else:
-            destination.check(others_may_have_written=True)
-            _marker(output, self.rank, self.world_size).unlink(missing_ok=True)
-        error = None
-        start = time.perf_counter()
-        try:
-            write(conversion, destination, mine, threads=threads, progress=progress)
-        except Exception as failure:
-            if not self.collective:
-                raise
-            error = failure
-        seconds = time.perf_counter() - start
-        if self.collective:
-            agree(error, "to write its files", self.group)  # the barrier before the commit
-        else:
-            fingerprint = _fingerprint(conversion)
-            if self.rank != 0:
-                _write_marker(output, self.rank, self.world_size, fingerprint)
-                conversion.seconds = seconds
+            conversion.seconds = time.perf_counter() - start
+            if self.collective:
+                agree(error, "to write its files", self.group)  # the barrier before publishing
+            elif self.rank != 0:
+                destination.output.mark_done()
                 return
-            _wait_for_markers(output, self.world_size, fingerprint, poll_seconds, timeout)
-        if self.rank == 0:
-            destination.commit()
-            if not self.collective:
-                for rank in range(1, self.world_size):
-                    _marker(output, rank, self.world_size).unlink(missing_ok=True)
-        conversion.seconds = seconds
+            else:
+                destination.output.wait_for_ranks(poll_seconds, timeout)
+            if self.rank == 0:
+                destination.commit()
+            conversion.write_notes = destination.notes
 
     def close(self) -> None:
         if self.owns_group:
@@ -213,46 +201,13 @@ def rank_share(rank: int | None = None, world_size: int | None = None) -> RankSh
     return RankShare(dist.get_rank(), dist.get_world_size(), collective=True, owns_group=True)
 
 
-# -- coordination through the output folder --------------------------------------------------
-
-
-def _marker(output: Path, rank: int, world_size: int) -> Path:
-    # a dot-file: checkpoint readers skip it
-    return output / f".aoa-done-rank-{rank:05d}-of-{world_size:05d}"
-
-
 def _fingerprint(conversion: Conversion) -> str:
     """Names this conversion: the plan, the files, and the source files as they are now.
-    A marker left by an earlier run of the very same conversion vouches for files with the
-    same bytes, so rank 0 may trust it."""
+    Files staged by an earlier run of the very same conversion have the same bytes, so its
+    ranks may share the folder and rank 0 may trust their markers."""
     digest = hashlib.sha256(conversion.plan.dumps().encode())
     digest.update(json.dumps([[f.filename, f.shards] for f in conversion.files]).encode())
     for path in conversion.job.source.files():
         stat = path.stat()
         digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()
-
-
-def _write_marker(output: Path, rank: int, world_size: int, fingerprint: str) -> None:
-    marker = _marker(output, rank, world_size)
-    partial = marker.with_name(marker.name + ".partial")
-    partial.write_text(fingerprint)
-    os.replace(partial, marker)
-
-
-def _wait_for_markers(output: Path, world_size: int, fingerprint: str, poll_seconds: float,
-                      timeout: float | None) -> None:
-    waiting = set(range(1, world_size))
-    start = time.monotonic()
-    while waiting:
-        for rank in sorted(waiting):
-            with contextlib.suppress(FileNotFoundError):
-                if _marker(output, rank, world_size).read_text() == fingerprint:
-                    waiting.discard(rank)
-        if not waiting:
-            return
-        if timeout is not None and time.monotonic() - start > timeout:
-            raise StorageError(f"{output}: ranks {sorted(waiting)} did not finish within "
-                               f"{timeout:.0f} s; the index is not written")
-        time.sleep(poll_seconds)
-

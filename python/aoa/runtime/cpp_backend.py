@@ -13,7 +13,7 @@ import numpy as np
 import aoa._core as _core
 from aoa.errors import ExecutionError, UsageError
 from aoa.runtime.copies import Copy, check_fields
-from aoa.runtime.executor import usable_cpus
+from aoa.runtime.executor import VanishedBuffer, usable_cpus
 
 #: Paddle dtype name -> the kernel's code (enum aoa::Dtype in cpp/casts.hpp), as the
 #: kernel itself says.
@@ -40,6 +40,9 @@ def execute_copies(
         _core.execute_copies(table, list(sources), list(destinations), threads)
     except ValueError as error:
         raise ExecutionError(str(error)) from None
+    except _core.BusError as error:
+        message, role, index, offset = error.args
+        raise VanishedBuffer(message, role, index, offset) from None
 
 
 def pack(copies: Sequence[Copy]) -> np.ndarray:

@@ -2,13 +2,16 @@
 offsets and strides over C-contiguous shard buffers).
 
 The plan stays plain data; this is the first thing the runtime does with it. A destination
-can also be filled a range of rows at a time (a staging buffer holding rows [start, stop) of
-its first axis): `cut_rows` keeps the parts of its copies that write those rows.
+can also be filled a part at a time: a staging buffer holding rows [start, stop) of its
+first axis (`cut_rows`), or any range of its elements in C order (`cut_elements`, for the
+buffers of a file written front to back, whose edges fall anywhere): each keeps the parts
+of the copies that write that part.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Iterator, Sequence
 
 from aoa.dtypes import itemsize
@@ -22,14 +25,17 @@ Scales = tuple[ShardDesc, int, tuple[int, ...]]
 
 
 def lower(copy: PlannedCopy, source: ShardDesc, destination: ShardDesc,
-          source_slot: int, destination_slot: int, scales: Scales | None = None) -> Copy:
+          source_slot: int, destination_slot: int, scales: Scales | None = None,
+          destination_base: int = 0) -> Copy:
     """``copy`` between the buffer ``source_slot`` (holding ``source``) and the buffer
-    ``destination_slot`` (holding ``destination``), dequantized with ``scales`` if given."""
+    ``destination_slot`` (holding ``destination`` from its byte ``destination_base`` on),
+    dequantized with ``scales`` if given."""
     source_dtype, destination_dtype = source.dtype or "float32", destination.dtype or "float32"
     source_strides = c_strides(source.local_shape, itemsize(source_dtype))
     destination_strides = c_strides(destination.local_shape, itemsize(destination_dtype))
     source_offset = sum(a * b for a, b in zip(copy.source_start, source_strides))
-    destination_offset = sum(a * b for a, b in zip(copy.destination_start, destination_strides))
+    destination_offset = sum(a * b for a, b in zip(copy.destination_start, destination_strides)
+                             ) - destination_base
     if copy.order is not None:
         source_strides = tuple(source_strides[a] for a in copy.order)
     scale = None if scales is None else block_scale(copy, source, *scales)
@@ -126,3 +132,49 @@ def cut_rows(copies: Sequence[PlannedCopy], start: int, stop: int) -> Iterator[P
         yield PlannedCopy(c.destination, (low - start, *c.destination_start[1:]),
                           (high - low, *c.shape[1:]), c.source, tuple(source_start), c.order,
                           c.casts)
+
+
+def element_boxes(shape: tuple[int, ...], start: int, stop: int
+                  ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Elements [start, stop) (C order) of an array of ``shape`` as boxes (start, extent):
+    at most two per axis, each a run of consecutive elements, in order."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = divmod(start, inner), divmod(stop, inner)
+    if first[0] == last[0]:  # inside one row of the first axis
+        return [((first[0], *lo), (1, *extent))
+                for lo, extent in element_boxes(shape[1:], first[1], last[1])]
+    boxes = []
+    row = first[0]
+    if first[1]:
+        boxes += [((row, *lo), (1, *extent))
+                  for lo, extent in element_boxes(shape[1:], first[1], inner)]
+        row += 1
+    if last[0] > row:
+        boxes.append(((row, *(0,) * (len(shape) - 1)), (last[0] - row, *shape[1:])))
+    if last[1]:
+        boxes += [((last[0], *lo), (1, *extent))
+                  for lo, extent in element_boxes(shape[1:], 0, last[1])]
+    return boxes
+
+
+def cut_elements(copies: Sequence[PlannedCopy], shape: tuple[int, ...], start: int,
+                 stop: int) -> Iterator[PlannedCopy]:
+    """The parts of ``copies`` (of one destination of ``shape``) that write its elements
+    [start, stop), in the destination's own coordinates."""
+    boxes = element_boxes(shape, start, stop)
+    for c in copies:
+        for low, extent in boxes:
+            lo = tuple(map(max, low, c.destination_start))
+            hi = tuple(min(a + n, b + m) for a, n, b, m in zip(low, extent, c.destination_start,
+                                                               c.shape))
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            source_start = list(c.source_start)
+            for axis, (a, b) in enumerate(zip(lo, c.destination_start)):
+                source_start[c.order[axis] if c.order is not None else axis] += a - b
+            yield PlannedCopy(c.destination, lo, tuple(b - a for a, b in zip(lo, hi)), c.source,
+                              tuple(source_start), c.order, c.casts)

@@ -36,9 +36,8 @@ from aoa.errors import StorageError
 from aoa.layout import ShardDesc
 from aoa.storage import pickler, unpickler
 from aoa.storage.chunks import Chunk, key_shards
-from aoa.storage.folder import Staging, output_folder, write_bytes
-from aoa.storage.formats import Destination, Fill, Format, OutputFile, Piece, Source
-from aoa.storage.mapped import MappedFiles, Stored
+from aoa.storage.formats import Destination, FileLayout, Fill, Format, OutputFile, Piece, Source
+from aoa.storage.mapped import MappedFiles, MappedWriter, Stored
 from aoa.storage.pickler import PAYLOAD_ALIGNMENT, Build, Call, Global, New
 from aoa.storage.torch_save import (
     TORCH_DTYPES,
@@ -389,6 +388,9 @@ class DcpDestination(Destination):
             laid[file.filename] = (items, position)
         return laid
 
+    def layout(self, file: OutputFile) -> FileLayout:
+        raise NotImplementedError("DCP files are written through a mapping (write_file)")
+
     def _objects(self) -> list[DcpObject]:
         """Where the objects go: one after another, after the first file's archives."""
         if not self.objects or not self.files:
@@ -401,33 +403,32 @@ class DcpDestination(Destination):
             position += len(data)
         return placed
 
-    def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
-        folder = output_folder(self.folder)
-        laid = self._items()
-        with Staging(folder) as staging:
-            for file in self.files if files is None else files:
-                items, nbytes = laid[file.filename]
-                with staging.mapped(file.filename, nbytes) as writer:
-                    fill([Piece(item.shard, writer.view(item.offset + item.layout.data_offset(0),
-                                                        self.shards[item.shard].nbytes))
-                          for item in items])
-                    # headers and CRC-32s, archives in parallel (zlib releases the GIL)
-                    views = [writer.view(item.offset, item.layout.nbytes) for item in items]
-                    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
-                        list(pool.map(lambda item, view: item.layout.write(view), items,
-                                      views))
-                    for item in self._objects():
-                        if item.file == file.filename:
-                            writer.view(item.offset, item.length)[:] = self.objects[item.key]
-            return staging.commit()
+    def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object) -> None:
+        """Through a mapping of the whole file: each archive's descriptors and central
+        directory carry the CRC-32 of its tensor's bytes, known once they are filled."""
+        items, nbytes = self._items()[file.filename]
+        writer = MappedWriter(path, nbytes)
+        try:
+            fill([Piece(item.shard, writer.view(item.offset + item.layout.data_offset(0),
+                                                self.shards[item.shard].nbytes))
+                  for item in items])
+            # headers and CRC-32s, archives in parallel (zlib releases the GIL)
+            views = [writer.view(item.offset, item.layout.nbytes) for item in items]
+            with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+                list(pool.map(lambda item, view: item.layout.write(view), items, views))
+            for placed in self._objects():
+                if placed.file == file.filename:
+                    writer.view(placed.offset, placed.length)[:] = self.objects[placed.key]
+            writer.commit()
+        except BaseException:
+            writer.discard()
+            raise
 
-    def commit(self) -> list[Path]:
-        """Write ``.metadata``: every distinct box and its archive's place."""
+    def index(self) -> dict[str, bytes]:
+        """``.metadata``: every distinct box and its archive's place."""
         boxes = [(self.shards[item.shard], name, item.offset, item.layout.nbytes)
                  for name, (items, _) in self._items().items() for item in items]
-        path = output_folder(self.folder) / METADATA_NAME
-        write_bytes(path, pickler.dumps(metadata_value(boxes, self._objects())).bytes())
-        return [path]
+        return {METADATA_NAME: pickler.dumps(metadata_value(boxes, self._objects())).bytes()}
 
 
 FORMAT = Format("dcp", "PyTorch Distributed Checkpoint: .metadata and __{rank}_{n}.distcp",

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 
 from aoa.layout import ShardDesc
-from aoa.storage.folder import Staging, output_folder
-from aoa.storage.formats import Destination, Fill, Format, OutputFile, Piece
+from aoa.storage.formats import Destination, FileLayout, Format, OutputFile
+from aoa.storage.safetensors import file_layout
 from aoa.storage.safetensors_folder import (
     INDEX_NAME,
     OFFSETS_KEY,
@@ -47,21 +46,12 @@ class DcpSafetensorsDestination(Destination):
                            sum(shards[i].nbytes for i in indices))
                 for rank, indices in enumerate(groups)]
 
-    def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
-        folder = output_folder(self.folder)
-        with Staging(folder) as staging:
-            for file in self.files if files is None else files:
-                shards = [self.shards[index] for index in file.shards]
-                info = {shard.key: {OFFSETS_KEY: list(shard.global_offset)} for shard in shards}
-                metadata = {SHARDING_KEY: json.dumps(info), **_DCP_VERSION}
-                with staging.safetensors(file.filename, shards, metadata) as writer:
-                    for index, shard in zip(file.shards, shards):
-                        fill([Piece(index, writer.buffer(shard.key))])
-            return staging.commit()
-
-    def commit(self) -> list[Path]:
-        """Nothing: the rank files are the whole checkpoint."""
-        return []
+    def layout(self, file: OutputFile) -> FileLayout:
+        """The rank's shards under their keys, each one's global offset in the metadata."""
+        shards = [(index, self.shards[index]) for index in file.shards]
+        info = {shard.key: {OFFSETS_KEY: list(shard.global_offset)} for _, shard in shards}
+        metadata = {SHARDING_KEY: json.dumps(info), **_DCP_VERSION}
+        return file_layout(shards, self.folder / file.filename, metadata)
 
 
 FORMAT = Format("dcp-safetensors", "safetensors files with PyTorch DCP's DCP_SHARDING_INFO, "

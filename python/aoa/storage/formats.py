@@ -23,34 +23,33 @@ or a shard list); the format names the files (`plan_files`, a pure function, so 
 print it and ranks can split the files). Then, in one process or spread over ranks:
 
     with format.destination(folder, shards, files) as destination:
-        destination.check()             refuse a folder holding another checkpoint
+        destination.check()             lock the folder; refuse one holding a checkpoint
         destination.write(fill, files)  fill and finish these files (all, or a rank's share)
-        destination.commit()            once, after every file is written: makes it whole
+        destination.commit()            once, after every file is written: publish them all
 
-``write`` hands ``fill`` the writable buffers of each file's shards as `Piece` records
-(shard index, buffer, rows) and lets the kernel fill them in place. The destination, not its
-caller, decides how many pieces go in one call and what memory backs them, which is what
-leaves room for the two changes planned there, with no change to any caller:
+A format says only what its files hold: ``layout(file)``, a `FileLayout` (the file's size,
+the bytes the format writes itself, such as headers, and where each shard's bytes go), and
+``index()``, the small files that make the checkpoint whole (an index, metadata), written
+last. The base class does the rest, the same for every format:
 
-* Issue 13, goal 3 (write at disk speed, bounded memory): instead of mapping a whole file,
-  ``write`` can hand out aligned staging buffers of a fixed size, each one a row range of a
-  shard (``Piece.rows``), and write each filled one with ``O_DIRECT`` while ``fill`` fills the
-  next. The executor already fills row ranges (`aoa.runtime.executor.PlanExecutor.fill`).
-* Issue 12, items 2-4 (one atomic commit for many files, a locked output folder): ``check``
-  can take the folder's lock (released by ``close``, at the end of the ``with`` block),
-  ``write`` can leave its files staged under hidden names, and ``commit`` can publish all of
-  them and the index in one step (a staging folder renamed, or a marker written last).
+* the folder (`aoa.storage.folder`): locked for one conversion at a time (shared by the
+  ranks of one, ``check(sharing)``); files written into a hidden staging folder and published
+  by ``commit``, data files first and the index last; a failure, an interrupt or a kill
+  leaves nothing visible;
+* the bytes (`aoa.storage.writer`): ``write`` hands ``fill`` the pieces of a few aligned
+  staging buffers at a time (`Piece` records: shard index, buffer, element range) and
+  writes each filled one with ``O_DIRECT`` while the next is filled: disk speed, and memory
+  that does not grow with the checkpoint. The kernel writes every byte of the pieces it is
+  given; bytes of no shard (padding) are zeros.
 
-Today's semantics: ``write`` fills each file through a memory mapping of the final size,
-fsyncs it, and renames all files of the call into place together; a failure (a fill, a
-rename) removes every file of the call, so the folder holds nothing of it. ``commit`` writes
-the index, where the format has one.
+A format that cannot say its file as a layout overrides ``write_file`` and writes the staged
+path its own way.
 
 **A new format** is a module named in `FORMAT_MODULES` whose ``FORMAT`` is a `Format`: a
 `Source` subclass (a sharded format builds each key's shards with
 `aoa.storage.chunks.key_shards`, which checks replicas and tiling), a `Destination`
-subclass (or None for a read-only format) that keeps today's all-or-nothing rule, and a
-cheap ``claims``. Nothing outside the module changes.
+subclass (or None for a read-only format) with ``plan_files``, ``layout`` and ``index``, and
+a cheap ``claims``. Nothing outside the module changes.
 
 **Formats by name** (`--source-format` / `--output-format`): ``safetensors`` (Hugging Face
 folders), ``dcp-safetensors`` (safetensors files with PyTorch DCP's ``DCP_SHARDING_INFO``,
@@ -74,6 +73,7 @@ from typing import ClassVar, Generic, NamedTuple, TypeVar
 
 from aoa.errors import StorageError, UsageError
 from aoa.layout import ShardDesc
+from aoa.storage.folder import OutputFolder, Sharing, write_file
 
 #: Every format name aoa knows, in detection order, and the module that implements it.
 FORMAT_MODULES: dict[str, str] = {
@@ -157,16 +157,37 @@ class Source(ABC, Generic[Location]):
 class Piece(NamedTuple):
     """A writable buffer the kernel fills (a memoryview, a numpy array: any contiguous
     buffer): destination shard ``shard`` (an index into the destination's shards), C order,
-    in the shard's dtype; ``rows``, when set, says the buffer holds only rows [start, stop)
-    of the shard's first axis."""
+    in the shard's dtype; ``elements``, when set, says the buffer holds only the elements
+    [start, stop) of the shard, counted in C order."""
 
     shard: int
     buffer: object
-    rows: tuple[int, int] | None = None
+    elements: tuple[int, int] | None = None
 
 
 #: Fills the pieces it is given (one kernel call); raising leaves nothing of the write.
 Fill = Callable[[Sequence[Piece]], None]
+
+
+class ShardSpan(NamedTuple):
+    """Where destination shard ``shard`` (an index into the destination's shards) lies in a
+    file: ``nbytes`` at byte ``offset``, C order, items of ``itemsize`` bytes."""
+
+    shard: int
+    offset: int
+    nbytes: int
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """A file as its format lays it out: ``size`` bytes; ``fixed``, (offset, bytes) the
+    format writes itself; ``shards``, where each destination shard's bytes go. Bytes neither
+    covers are zeros."""
+
+    size: int
+    fixed: Sequence[tuple[int, bytes]]
+    shards: Sequence[ShardSpan]
 
 
 @dataclass(frozen=True)
@@ -195,7 +216,7 @@ class Destination(ABC):
 
     def __init__(self, folder: str | os.PathLike[str], shards: Sequence[ShardDesc],
                  files: Sequence[OutputFile], extras: Mapping[str, Path] | None = None,
-                 objects: Mapping[str, bytes] | None = None) -> None:
+                 objects: Mapping[str, bytes] | None = None, *, direct: bool = True) -> None:
         self.folder = Path(folder)
         #: dtype None reads as float32, as in Paddle
         self.shards = [shard if shard.dtype else dataclasses.replace(shard, dtype="float32")
@@ -205,6 +226,13 @@ class Destination(ABC):
         #: items that are not tensors, written as these bytes where the format holds such
         #: items (`objects_family`), left out elsewhere
         self.objects = dict(objects or {})
+        #: whether to write around the page cache (O_DIRECT) where the file system allows
+        self.direct = direct
+        #: what a person should know about the write (said once): a refused O_DIRECT
+        self.notes: list[str] = []
+        self.output = OutputFolder(self.folder, checkpoint_patterns())
+
+    # -- what a format says ----------------------------------------------------------------
 
     @classmethod
     @abstractmethod
@@ -214,32 +242,79 @@ class Destination(ABC):
         indices) is given; else the format groups them (``max_file_bytes``: its limit per
         file, None: its default)."""
 
-    def check(self, others_may_have_written: bool = False) -> None:
-        """Refuse an output that is a file, or a folder already holding a checkpoint of any
-        format; with ``others_may_have_written`` (ranks that do not wait for each other),
-        files of this very checkpoint are allowed."""
-        ours = {file.filename for file in self.files} if others_may_have_written else set()
-        check_output_folder(self.folder, ours)
-
     @abstractmethod
+    def layout(self, file: OutputFile) -> FileLayout:
+        """What ``file`` holds, byte by byte: its headers and where its shards go."""
+
+    def index(self) -> dict[str, bytes]:
+        """The small files that make the checkpoint whole once every file is written (an
+        index, metadata, files carried over), by name: published last. None by default."""
+        return {}
+
+    # -- the protocol, the same for every format -------------------------------------------
+
+    def check(self, sharing: Sharing | None = None) -> None:
+        """Lock the output folder (made if missing) for this process alone, or for the
+        ranks of ``sharing``; refuse a folder that holds a checkpoint, or that another
+        conversion is writing into."""
+        self.output.open(sharing)
+
     def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
-        """Fill and finish ``files`` (default: all; or one rank's share). A failure leaves
-        none of them."""
+        """Fill and finish ``files`` (default: all; or one rank's share) in the staging
+        folder; the paths they will have once published. A failure leaves none of them
+        (and, for a process writing alone, nothing at all)."""
+        from aoa.storage.writer import StagingBuffers
 
-    @abstractmethod
+        self.output.open(self.output.sharing)
+        chosen = self.files if files is None else list(files)
+        try:
+            with StagingBuffers() as buffers:
+                for file in chosen:
+                    self.write_file(self.output.stage(file.filename), file, fill, buffers)
+        except BaseException:
+            self.output.abort()
+            raise
+        return [self.folder / file.filename for file in chosen]
+
+    def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object) -> None:
+        """Write ``file`` at ``path`` (in the staging folder) as `layout` says."""
+        from aoa.storage.writer import StagingBuffers, write_file
+
+        assert isinstance(buffers, StagingBuffers)
+        direct = write_file(path, self.layout(file), fill, buffers, direct=self.direct)
+        if self.direct and not direct:
+            self.direct = False  # no use asking again
+            self.notes.append(f"{self.folder}: the file system refuses direct I/O (O_DIRECT); "
+                              "wrote through the page cache")
+
     def commit(self) -> list[Path]:
-        """What makes the checkpoint whole once every file is written (the index, files
-        carried over); run once, by one process."""
+        """Write `index` and publish every file, the index last, then let go of the folder;
+        once, by one process. The index's paths."""
+        self.output.open(self.output.sharing)
+        try:
+            index = self.index()
+            for name, data in index.items():
+                write_file(self.output.stage(name), data)
+            self.output.publish([file.filename for file in self.files], list(index))
+        except BaseException:
+            self.output.abort()
+            raise
+        self.output.release()  # the checkpoint is whole: the folder is free again
+        return [self.folder / name for name in index]
 
-    def close(self) -> None:  # noqa: B027 - nothing is held today
-        """Release what ``check`` took (the folder's lock, once there is one); jobs use a
-        destination in a ``with`` block."""
+    def close(self) -> None:
+        """Let go of the folder: a process writing alone that did not commit removes what
+        it wrote; a rank leaves its files for rank 0 to publish."""
+        self.output.release()
 
     def __enter__(self) -> Destination:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None:
+            self.output.abort()  # a rank too removes its files: the conversion failed
+        else:
+            self.close()
 
 
 @dataclass(frozen=True)
@@ -276,12 +351,36 @@ def format_named(name: str, role: str = "source") -> Format:
 
 def detect(path: Path) -> Format:
     """The format of the checkpoint at ``path``: the first that claims it. Where none does,
-    safetensors, whose reader then says what the folder lacks."""
+    safetensors, whose reader then says what the folder lacks; a file none claims is read
+    as safetensors only if it starts like one (whatever its name), else refused with what
+    aoa reads instead of a reader's guess at its bytes."""
     for module_name in FORMAT_MODULES.values():
         found = _load(module_name)
         if found is not None and found.open_source is not None and found.claims(path):
             return found
+    if path.is_file() and not _looks_like_safetensors(path):
+        why = ("it is not a zip archive, as torch.save has written since torch 1.6 (a legacy "
+               "torch.save file, or not written by torch.save)"
+               if path.suffix in (".bin", ".pt", ".pth") else
+               "by its name and first bytes it is no safetensors file, torch.save archive or "
+               "checkpoint metadata")
+        raise StorageError(f"{path}: not a checkpoint aoa reads: {why}", hint=_READABLE)
     return format_named("safetensors")
+
+
+_READABLE = ("Give a safetensors file or folder, a pytorch_model.bin (a zip archive) or its "
+             "index, a Paddle {n}.metadata, a PyTorch DCP or Megatron torch_dist folder, or "
+             "shard-info JSON; --source-format names the format.")
+
+
+def _looks_like_safetensors(path: Path) -> bool:
+    """An 8-byte little-endian header length that fits the file, then a JSON object."""
+    with open(path, "rb") as file:
+        start = file.read(9)
+    if len(start) < 9:
+        return False
+    length = int.from_bytes(start[:8], "little")
+    return start[8:9] == b"{" and 2 <= length <= path.stat().st_size - 8
 
 
 def open_source(path: str | os.PathLike[str], format: str | None = None) -> Source:
@@ -292,21 +391,10 @@ def open_source(path: str | os.PathLike[str], format: str | None = None) -> Sour
     return found.open_source(path)
 
 
-def check_output_folder(folder: Path, ours: set[str] | frozenset[str] = frozenset()) -> None:
-    """Refuse an output that is a file, or a folder holding checkpoint files of any format
-    other than ``ours`` (files of two runs would mix)."""
-    if folder.exists() and not folder.is_dir():
-        raise StorageError(f"{folder}: the output is a file, not a folder")
-    if not folder.is_dir():
-        return
-    patterns = {pattern for name in FORMAT_NAMES for pattern in _patterns(name)}
-    foreign = sorted({path.name for pattern in patterns for path in folder.glob(pattern)
-                      if path.name not in ours and not path.name.startswith(".")})
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more"
-                                          if len(foreign) > 3 else "")
-        raise StorageError(f"{folder}: the output folder already holds a checkpoint ({shown})",
-                           hint="Convert into an empty or new folder.")
+def checkpoint_patterns() -> tuple[str, ...]:
+    """The names of every writable format's files, as glob patterns: an output folder
+    holding such files already holds a checkpoint."""
+    return tuple(sorted({pattern for name in FORMAT_NAMES for pattern in _patterns(name)}))
 
 
 def _patterns(name: str) -> tuple[str, ...]:

@@ -10,19 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 
 from aoa.errors import StorageError, UsageError
 from aoa.layout import ShardDesc
-from aoa.storage.folder import Staging, output_folder, remove, write_text
-from aoa.storage.formats import (
-    DEFAULT_MAX_FILE_BYTES,
-    Destination,
-    Fill,
-    Format,
-    OutputFile,
-    Piece,
-)
+from aoa.storage.formats import DEFAULT_MAX_FILE_BYTES, Destination, FileLayout, Format, OutputFile
+from aoa.storage.safetensors import file_layout
 from aoa.storage.safetensors_folder import INDEX_NAME, SINGLE_NAME, claims, open_folder
 
 
@@ -69,32 +61,20 @@ class HuggingFaceDestination(Destination):
         return [OutputFile(f"model-{number:05d}-of-{count:05d}.safetensors", tuple(group), size)
                 for number, (group, size) in enumerate(zip(groups, sizes), start=1)]
 
-    def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
-        folder = output_folder(self.folder)
-        with Staging(folder) as staging:
-            for file in self.files if files is None else files:
-                tensors = [self.shards[index] for index in file.shards]
-                with staging.safetensors(file.filename, tensors, None) as writer:
-                    for index, shard in zip(file.shards, tensors):
-                        fill([Piece(index, writer.buffer(shard.key))])
-            return staging.commit()
+    def layout(self, file: OutputFile) -> FileLayout:
+        return file_layout([(i, self.shards[i]) for i in file.shards], self.folder / file.filename)
 
-    def commit(self) -> list[Path]:
-        """Write ``model.safetensors.index.json``, atomically. A checkpoint of one
-        ``model.safetensors`` needs no index, and an older index there is removed: readers
-        would follow it to files of another checkpoint."""
-        folder = output_folder(self.folder)
+    def index(self) -> dict[str, bytes]:
+        """``model.safetensors.index.json``, naming the file of each key; none for a
+        checkpoint of one ``model.safetensors``."""
         if len(self.files) == 1 and self.files[0].filename == SINGLE_NAME:
-            remove([folder / INDEX_NAME])
-            return []
+            return {}
         index = {
             "metadata": {"total_size": sum(file.nbytes for file in self.files)},
             "weight_map": {self.shards[i].key: file.filename
                            for file in self.files for i in file.shards},
         }
-        path = folder / INDEX_NAME
-        write_text(path, json.dumps(index, indent=2) + "\n")
-        return [path]
+        return {INDEX_NAME: (json.dumps(index, indent=2) + "\n").encode()}
 
 
 FORMAT = Format("safetensors", "Hugging Face safetensors folders (whole tensors)", claims,

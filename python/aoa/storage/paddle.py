@@ -38,8 +38,7 @@ from aoa.errors import StorageError
 from aoa.layout import ShardDesc
 from aoa.storage import numpy_pickle, pickler, unpickler
 from aoa.storage.chunks import Chunk, key_shards
-from aoa.storage.folder import Staging, output_folder, write_bytes
-from aoa.storage.formats import Destination, Fill, Format, OutputFile, Piece, Source
+from aoa.storage.formats import Destination, FileLayout, Format, OutputFile, ShardSpan, Source
 from aoa.storage.mapped import MappedFiles, Stored
 
 _META = "paddle.distributed.flex_checkpoint.dcp.metadata"
@@ -421,33 +420,27 @@ class PaddleDestination(Destination):
                 owned[file.filename].append(index)
         return owned
 
-    def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
-        folder = output_folder(self.folder)
-        owned = self._owned()
-        with Staging(folder) as staging:
-            for file in self.files if files is None else files:
-                indices = owned[file.filename]
-                holes = {index: pickler.Hole(self.shards[index].nbytes) for index in indices}
-                value: dict[str, Any] = {self.shards[i].key: numpy_pickle.array_value(
-                    self.shards[i].dtype or "float32", self.shards[i].local_shape, holes[i])
-                    for i in indices}
-                value[NAME_TABLE] = {self.shards[i].key: self.shards[i].key for i in indices}
-                laid = pickler.dumps(value)
-                with staging.mapped(file.filename, laid.nbytes) as writer:
-                    for offset, segment in laid.segments:
-                        writer.view(offset, len(segment))[:] = segment
-                    fill([Piece(i, writer.view(laid.offset(holes[i]), holes[i].nbytes))
-                          for i in indices])
-            return staging.commit()
+    def layout(self, file: OutputFile) -> FileLayout:
+        """The rank's pickle, each shard's bytes in a hole of it (the pickle says where)."""
+        indices = self._owned()[file.filename]
+        holes = {index: pickler.Hole(self.shards[index].nbytes) for index in indices}
+        value: dict[str, Any] = {self.shards[i].key: numpy_pickle.array_value(
+            self.shards[i].dtype or "float32", self.shards[i].local_shape, holes[i])
+            for i in indices}
+        value[NAME_TABLE] = {self.shards[i].key: self.shards[i].key for i in indices}
+        laid = pickler.dumps(value)
+        return FileLayout(laid.nbytes, [(offset, bytes(segment))
+                                        for offset, segment in laid.segments],
+                          [ShardSpan(i, laid.offset(holes[i]), holes[i].nbytes,
+                                     itemsize(self.shards[i].dtype or "float32"))
+                           for i in indices])
 
-    def commit(self) -> list[Path]:
-        """Write ``0.metadata``: every distinct box and the file holding it."""
+    def index(self) -> dict[str, bytes]:
+        """``0.metadata``: every distinct box and the file holding it."""
         owned = self._owned()
         boxes = [(self.shards[index], name) for name, indices in owned.items()
                  for index in indices]
-        path = output_folder(self.folder) / "0.metadata"
-        write_bytes(path, pickler.dumps(metadata_value(boxes)).bytes())
-        return [path]
+        return {"0.metadata": pickler.dumps(metadata_value(boxes)).bytes()}
 
 
 FORMAT = Format("paddle", "PaddlePaddle FlexCheckpoint: {n}.metadata and {rank}_{n}.distcp",

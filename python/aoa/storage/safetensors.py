@@ -29,6 +29,7 @@ from aoa.errors import StorageError, quote
 from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc
 from aoa.limits import shape_problem
+from aoa.storage.formats import FileLayout, ShardSpan
 
 if TYPE_CHECKING:  # reading headers and mapping files needs no numpy: imported when used
     import numpy as np
@@ -306,6 +307,21 @@ def header_bytes(tensors: Sequence[ShardDesc], metadata: dict[str, str] | None) 
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
+
+
+def file_layout(tensors: Sequence[tuple[int, ShardDesc]], path: Path,
+                metadata: dict[str, str] | None = None) -> FileLayout:
+    """A destination's safetensors file: the header, then each (shard index, shard) back to
+    back, in this order, under its key."""
+    specs = [spec for _, spec in tensors]
+    _check_specs(path, specs, metadata)
+    header = header_bytes(specs, metadata)
+    spans, offset = [], len(header)
+    for index, spec in tensors:
+        nbytes = _nbytes(spec)
+        spans.append(ShardSpan(index, offset, nbytes, itemsize(spec.dtype)))  # type: ignore[arg-type]
+        offset += nbytes
+    return FileLayout(offset, [(0, header)], spans)
 
 
 def _nbytes(spec: ShardDesc) -> int:

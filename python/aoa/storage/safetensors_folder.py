@@ -10,10 +10,16 @@
 
 One reader serves both: a folder may hold either, DCP's writer adds an index too, and the
 checks are the same. The source says ``dcp-safetensors`` when any file carries sharding info.
+
+Files numbered as a set (``model-00002-of-00003``, ``rank-00001-of-00002``) are read only as
+a whole set: a folder missing one of them (a copy or a conversion that did not finish) is
+refused, since the chunks that are there would describe smaller tensors, or fewer, without
+a word.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -100,6 +106,7 @@ def open_folder(path: Path) -> SafetensorsSource:
         names = _index_files(index, weight_map)
     elif path.is_dir():
         names = _folder_files(path)
+        _check_sets(path, names)
     else:
         raise StorageError(f"{path}: no such checkpoint file or folder")
     files: dict[Path, SafetensorsFile] = {}
@@ -108,6 +115,8 @@ def open_folder(path: Path) -> SafetensorsSource:
             files[name] = SafetensorsFile.open(name)
         if weight_map is not None:
             _check_index(index, weight_map, files)
+        if len(names) == 1 and names[0] == path:
+            _check_alone(path, files[path])
         return SafetensorsSource(path, files)
     except BaseException:
         for file in files.values():
@@ -124,6 +133,45 @@ def _folder_files(folder: Path, required: bool = True) -> list[Path]:
     if not names and required:
         raise StorageError(f"{folder}: no .safetensors files in this folder")
     return names
+
+
+_NUMBERED = re.compile(r"(?P<stem>.+)-(?P<number>\d+)-of-(?P<count>\d+)\.safetensors")
+
+
+def _check_sets(folder: Path, names: list[Path]) -> None:
+    """Every numbered set of files in ``folder`` complete: ``count`` files numbered from 1
+    (Hugging Face) or from 0 (ranks), none missing."""
+    sets: dict[tuple[str, str], list[int]] = {}
+    for name in names:
+        found = _NUMBERED.fullmatch(name.name)
+        if found:
+            sets.setdefault((found["stem"], found["count"]), []).append(int(found["number"]))
+    for (stem, count), numbers in sorted(sets.items()):
+        first = 0 if 0 in numbers else 1
+        expected = range(first, first + int(count))
+        if sorted(numbers) == list(expected):
+            continue
+        width = len(count)
+        missing = [f"{stem}-{n:0{width}d}-of-{count}.safetensors" for n in expected
+                   if n not in numbers]
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more"
+                                          if len(missing) > 3 else "")
+        raise StorageError(
+            f"{folder}: holds {len(numbers)} of the {int(count)} files "
+            f"{stem}-*-of-{count}.safetensors" + (f"; missing {shown}" if missing else
+                                                   ", numbered past the count"),
+            hint="A copy or a conversion did not finish: the files that are there do not "
+                 "make a whole checkpoint.")
+
+
+def _check_alone(path: Path, file: SafetensorsFile) -> None:
+    """A file given alone is not one rank's chunks of a sharded set: its global shapes
+    would be those of the chunks it holds."""
+    found = _NUMBERED.fullmatch(path.name)
+    if found and int(found["count"]) > 1 and SHARDING_KEY in file.metadata:
+        raise StorageError(f"{path}: one of the {int(found['count'])} rank files of a sharded "
+                           "checkpoint; its chunks alone do not make the tensors",
+                           hint=f"Give the folder: --source {path.parent}")
 
 
 def _read_index(index: Path) -> dict[str, str]:

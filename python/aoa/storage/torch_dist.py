@@ -25,7 +25,6 @@ from typing import ClassVar
 
 from aoa.errors import StorageError
 from aoa.storage.dcp import METADATA_NAME, DcpDestination, DcpSource, open_dcp
-from aoa.storage.folder import output_folder, write_bytes, write_text
 from aoa.storage.formats import Format
 from aoa.storage.torch_save import TorchSaveLayout
 
@@ -78,20 +77,18 @@ class TorchDistDestination(DcpDestination):
     patterns: ClassVar[tuple[str, ...]] = ("*.distcp", METADATA_NAME, CONFIG_NAME,
                                            COMMON_NAME)
 
-    def commit(self) -> list[Path]:
-        paths = super().commit()
-        folder = output_folder(self.folder)
+    def index(self) -> dict[str, bytes]:
+        """DCP's ``.metadata``, then Megatron's ``common.pt`` (carried over from the source,
+        or empty) and ``metadata.json``."""
         common = self.extras.get(COMMON_NAME)
         config = self.extras.get(CONFIG_NAME)
         try:
             common_bytes = common.read_bytes() if common is not None else _empty_common()
-            config_text = (config.read_text(encoding="utf-8") if config is not None
-                           else json.dumps(CONFIG))
+            config_bytes = (config.read_bytes() if config is not None
+                            else json.dumps(CONFIG).encode())
         except OSError as error:
             raise StorageError(f"{error.filename}: cannot read: {error.strerror}") from error
-        write_bytes(folder / COMMON_NAME, common_bytes)
-        write_text(folder / CONFIG_NAME, config_text)
-        return [*paths, folder / COMMON_NAME, folder / CONFIG_NAME]
+        return {**super().index(), COMMON_NAME: common_bytes, CONFIG_NAME: config_bytes}
 
 
 def sharded_object(value: None = None) -> bytes:

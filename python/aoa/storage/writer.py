@@ -1,0 +1,327 @@
+"""Writing one destination file at disk speed, in memory that does not grow with the file.
+
+A format says what a file holds as a `FileLayout`: its size, the bytes the format writes
+itself (headers, pickles) and where each destination shard's bytes go. `write_file` walks
+the file front to back through a few aligned staging buffers: the kernel fills one (one
+`Fill` call for every shard, or element range of a shard, that falls in it) while writer
+threads write the others with ``O_DIRECT``. Filling and writing overlap, the page cache is
+never filled (so fsync has nothing left to write back), and memory stays at the buffers
+whatever the size of the file.
+
+Direct I/O wants offsets, lengths and memory aligned to the device's blocks: the buffers
+are page-aligned anonymous memory; each is written up to the last 4 KiB boundary it
+reaches, and the bytes past it (less than 4 KiB) open the next buffer; the last one is
+padded, and the file cut to its size. Where the file system refuses ``O_DIRECT`` (at open
+or at the first write), the same buffers go through the page cache instead, and the file
+is fsynced; `write_file` says which way it wrote.
+
+The file's blocks are reserved before a byte is written, so a full disk is an error before
+anything is copied rather than halfway through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import queue
+import threading
+from pathlib import Path
+
+from aoa.errors import StorageError
+from aoa.storage.formats import FileLayout, Fill, Piece, ShardSpan
+
+#: Offsets, lengths and buffer addresses of direct writes are multiples of this.
+ALIGNMENT = 4096
+#: Bytes per staging buffer, and how many there are: one being filled while the others are
+#: written. Measured on the 1.55 GB benchmark (bench/convert.py): see bench/README.md.
+BUFFER_BYTES = 32 << 20
+BUFFERS = 4
+#: Threads writing buffers at once (direct writes at a queue depth above one).
+WRITERS = 2
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class StagingBuffers:
+    """The aligned buffers of a write, reused from file to file (allocated on first use)."""
+
+    def __init__(self, count: int | None = None, nbytes: int | None = None) -> None:
+        count = BUFFERS if count is None else count
+        nbytes = BUFFER_BYTES if nbytes is None else nbytes
+        if nbytes % ALIGNMENT or nbytes < 2 * ALIGNMENT or count < 2:
+            raise ValueError("staging needs two or more buffers of whole 4 KiB blocks")
+        self.count = count
+        self.nbytes = nbytes
+        self._buffers: list[mmap.mmap] = []
+
+    def all(self) -> list[mmap.mmap]:
+        if not self._buffers:
+            self._buffers = [mmap.mmap(-1, self.nbytes) for _ in range(self.count)]
+        return self._buffers
+
+    def close(self) -> None:
+        for buffer in self._buffers:
+            with contextlib.suppress(BufferError):
+                buffer.close()
+        self._buffers = []
+
+    def __enter__(self) -> StagingBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffers, *,
+               direct: bool = True) -> bool:
+    """Write ``path`` as ``layout`` says, the shards' bytes from ``fill``, and fsync it.
+    Returns whether it went around the page cache (direct I/O). A failure raises; the
+    caller removes the file."""
+    items = _items(path, layout)
+    fd, direct = _open(path, direct)
+    try:
+        _reserve(fd, path, layout.size)
+        with _Writes(fd, path, direct, buffers) as writes:
+            stream = _Stream(writes, fill)
+            for offset, item in items:
+                stream.zeros(offset - stream.position)
+                if isinstance(item, bytes):
+                    stream.put(item)
+                else:
+                    stream.shard(item)
+            stream.zeros(layout.size - stream.position)
+            stream.flush(last=True)
+            writes.finish()
+            direct = writes.direct
+        try:
+            os.ftruncate(fd, layout.size)  # the last block's padding
+            os.fsync(fd)
+        except OSError as error:
+            raise StorageError(f"{path}: cannot write: {error.strerror}") from error
+    finally:
+        os.close(fd)
+    return direct
+
+
+def _items(path: Path, layout: FileLayout) -> list[tuple[int, bytes | ShardSpan]]:
+    """Fixed bytes and shards in file order, checked to lie apart inside the file."""
+    items: list[tuple[int, bytes | ShardSpan]] = [(offset, data) for offset, data in
+                                                 layout.fixed if data]
+    items += [(span.offset, span) for span in layout.shards if span.nbytes]
+    items.sort(key=lambda item: item[0])
+    end = 0
+    for offset, item in items:
+        nbytes = len(item) if isinstance(item, bytes) else item.nbytes
+        if offset < end or offset + nbytes > layout.size:
+            raise StorageError(f"{path}: the format laid out overlapping bytes at offset "
+                               f"{offset} (of {layout.size})")
+        end = offset + nbytes
+    return items
+
+
+class _Stream:
+    """Places the file's bytes, in order, into staging buffers; a full buffer is filled by
+    the kernel and handed to the writers."""
+
+    def __init__(self, writes: _Writes, fill: Fill) -> None:
+        self._writes = writes
+        self._fill = fill
+        self._buffer = writes.take()
+        self._capacity = len(self._buffer)
+        self._start = 0  # file offset of the buffer's first byte (aligned)
+        self._used = 0  # bytes placed in the buffer
+        self._pieces: list[Piece] = []
+        self._views: list[memoryview] = []
+
+    @property
+    def position(self) -> int:
+        """The file offset of the next byte to place."""
+        return self._start + self._used
+
+    def put(self, data: bytes) -> None:
+        done = 0
+        while done < len(data):
+            count = min(len(data) - done, self._room())
+            self._buffer[self._used:self._used + count] = data[done:done + count]
+            self._used += count
+            done += count
+
+    def zeros(self, count: int) -> None:
+        while count > 0:
+            step = min(count, self._room())
+            _zero(self._buffer, self._used, step)
+            self._used += step
+            count -= step
+
+    def shard(self, span: ShardSpan) -> None:
+        elements = span.nbytes // span.itemsize
+        done = 0
+        while done < elements:
+            count = min(elements - done, self._room() // span.itemsize)
+            if count == 0:  # less than an item of room: the next buffer takes it
+                self.flush()
+                continue
+            nbytes = count * span.itemsize
+            view = memoryview(self._buffer)[self._used:self._used + nbytes]
+            self._views.append(view)
+            whole = done == 0 and count == elements
+            self._pieces.append(Piece(span.shard, view, None if whole else (done, done + count)))
+            self._used += nbytes
+            done += count
+
+    def _room(self) -> int:
+        if self._used == self._capacity:
+            self.flush()
+        return self._capacity - self._used
+
+    def flush(self, last: bool = False) -> None:
+        """Fill the buffer's pieces, hand the buffer to the writers up to its last whole
+        block (all of it, padded, when ``last``), and start the next with the rest."""
+        if self._pieces:
+            try:
+                self._fill(self._pieces)
+            finally:
+                self._pieces = []
+                for view in self._views:
+                    view.release()
+                self._views = []
+        end = self._used
+        if last:
+            aligned = -(-end // ALIGNMENT) * ALIGNMENT
+            _zero(self._buffer, end, aligned - end)
+            if aligned:
+                self._writes.submit(self._buffer, self._start, aligned)
+            return
+        aligned = end - end % ALIGNMENT
+        tail = bytes(self._buffer[aligned:end])
+        self._writes.submit(self._buffer, self._start, aligned)
+        self._buffer = self._writes.take()
+        self._buffer[:len(tail)] = tail
+        self._start += aligned
+        self._used = len(tail)
+
+
+def _zero(buffer: mmap.mmap, start: int, count: int) -> None:
+    if count > 0:
+        buffer[start:start + count] = bytes(count)
+
+
+class _Writes:
+    """Writer threads taking filled buffers (file offset, length) and handing them back."""
+
+    def __init__(self, fd: int, path: Path, direct: bool, buffers: StagingBuffers) -> None:
+        self.fd = fd
+        self.path = path
+        self.direct = direct
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        for buffer in buffers.all():
+            self._free.put(buffer)
+        self._count = buffers.count
+        self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
+        self._error: Exception | None = None
+        self._switch = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, name=f"aoa-writer-{n}",
+                                          daemon=True) for n in range(WRITERS)]
+        for thread in self._threads:
+            thread.start()
+
+    def take(self) -> mmap.mmap:
+        """A free buffer (waits for a write to finish); raises what a write raised."""
+        buffer = self._free.get()
+        self._check()
+        return buffer
+
+    def submit(self, buffer: mmap.mmap, offset: int, length: int) -> None:
+        self._check()
+        self._todo.put((buffer, offset, length))
+
+    def finish(self) -> None:
+        """Wait for every write; raise what one raised."""
+        self._stop()
+        self._check()
+
+    def _check(self) -> None:
+        error = self._error
+        if error is not None:
+            why = error.strerror if isinstance(error, OSError) else repr(error)
+            raise StorageError(f"{self.path}: cannot write: {why}") from error
+
+    def _run(self) -> None:
+        while True:
+            job = self._todo.get()
+            if job is None:
+                return
+            buffer, offset, length = job
+            if self._error is None:
+                try:
+                    self._write(buffer, offset, length)
+                except Exception as error:  # said by the filling thread, at its next step
+                    self._error = error
+            self._free.put(buffer)
+
+    def _write(self, buffer: mmap.mmap, offset: int, length: int) -> None:
+        view = memoryview(buffer)[:length]
+        try:
+            done = 0
+            while done < length:
+                try:
+                    done += os.pwrite(self.fd, view[done:], offset + done)
+                except OSError as error:
+                    if error.errno != errno.EINVAL or not self._leave_direct():
+                        raise
+        finally:
+            view.release()
+
+    def _leave_direct(self) -> bool:
+        """After a direct write the file system refused: write through the page cache from
+        now on. False if that was done already (the error is something else)."""
+        with self._switch:
+            if not self.direct:
+                return False
+            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+            self.direct = False
+            return True
+
+    def _stop(self) -> None:
+        for _ in self._threads:
+            self._todo.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def __enter__(self) -> _Writes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop()  # a failure or an interrupt: wait for the writes in flight
+
+
+def _open(path: Path, direct: bool) -> tuple[int, bool]:
+    """The file opened for writing (made, emptied), direct where asked and possible."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise StorageError(f"{path}: cannot write: {error.strerror}") from error
+    try:
+        return os.open(path, flags, 0o644), False
+    except OSError as error:
+        raise StorageError(f"{path}: cannot write: {error.strerror}") from error
+
+
+def _reserve(fd: int, path: Path, size: int) -> None:
+    """Allocate the file's blocks up front: a full disk is refused here, not mid-copy."""
+    if not size:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return  # the file system cannot reserve; writes report a full disk instead
+        raise StorageError(f"{path}: cannot reserve {size} bytes: {error.strerror}") from error
