@@ -14,9 +14,10 @@ makes) and adds the logits on ``IDS``. One process runs every job: importing Meg
 most of the time.
 
 The config translation covers the families the tests convert (Llama, Mistral, Qwen2,
-Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral): RMSNorm, SwiGLU, rotary embeddings, grouped-query
-attention, q/k norms, biases, routers that normalize their top-k (or not), shared experts
-with a sigmoid gate, dense layers among sparse ones (``moe_layer_freq`` as a list).
+Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3): RMSNorm, SwiGLU, rotary embeddings,
+grouped-query or latent attention, q/k norms, biases, routers that normalize their top-k
+(or not), sigmoid routers with an expert bias, shared experts with or without a sigmoid
+gate, dense layers among sparse ones (``moe_layer_freq`` as a list).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def transformer_config(hf: dict):
     layers = hf["num_hidden_layers"]
     heads = hf["num_attention_heads"]
     kind = hf["model_type"]
-    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
     arguments = dict(
         num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
@@ -67,14 +68,72 @@ def transformer_config(hf: dict):
         if hf.get("shared_expert_intermediate_size"):
             arguments.update(moe_shared_expert_intermediate_size=hf[
                 "shared_expert_intermediate_size"], moe_shared_expert_gate=True)
+    if kind == "deepseek_v3":
+        return _latent_attention_config(hf, arguments)
     return TransformerConfig(**arguments)
 
 
+def _latent_attention_config(hf: dict, arguments: dict):
+    """DeepSeek-V3 as Megatron-Core's MLATransformerConfig: the low-rank norms as its
+    qk_layernorm, plain rotary embeddings (the tiny configs have no YaRN scaling), a sigmoid
+    router with its expert bias and scaling, group-limited where the config groups experts,
+    shared experts without a gate."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    groups = hf.get("n_group") or 1
+    arguments.update(
+        num_query_groups=hf["num_attention_heads"], kv_channels=None, qk_layernorm=True,
+        add_qkv_bias=False, add_bias_linear=False, q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        rope_type="rope", rotary_base=_rope_theta(hf),
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_pre_softmax=False, moe_router_dtype="fp32",
+        moe_router_topk_scaling_factor=hf.get("routed_scaling_factor") or None,
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=hf.get("topk_group") if groups > 1 else None,
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"]
+        if hf.get("n_shared_experts") else None)
+    return MLATransformerConfig(**arguments)
+
+
+def _rope_theta(hf: dict) -> int:
+    return int(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta",
+                                                                                10000))
+
+
 def _sparse_layers(hf: dict, experts: int) -> list[bool]:
+    if "first_k_dense_replace" in hf:
+        return [layer >= hf["first_k_dense_replace"] for layer in range(hf["num_hidden_layers"])]
     step = hf.get("decoder_sparse_step") or 1
     dense = set(hf.get("mlp_only_layers") or [])
     return [layer not in dense and experts > 0 and (layer + 1) % step == 0
             for layer in range(hf["num_hidden_layers"])]
+
+
+def _latent_core_attention():
+    """Megatron-Core 0.16.1's local DotProductAttention does not take latent attention's
+    separate key and value widths (only Transformer Engine's does, which needs a GPU): this
+    stand-in computes softmax(q k^T * softmax_scale) v with the mask and scale Megatron's
+    MLASelfAttention hands it. It has no parameters and no state, so the names, shapes and
+    sharded objects stay Megatron's; projections, norms, rotary embedding, router and
+    experts stay Megatron's code."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class LatentCoreAttention(MegatronModule):
+        def __init__(self, config, *, softmax_scale, **unused):
+            super().__init__(config)
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, **unused):
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
+            scores = (q @ k.transpose(-1, -2)) * self.softmax_scale
+            scores = scores.masked_fill(attention_mask, float("-inf"))
+            out = scores.softmax(-1) @ v
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    return LatentCoreAttention
 
 
 def gpt_model(hf: dict):
@@ -90,10 +149,14 @@ def gpt_model(hf: dict):
                                           normalization="RMSNorm")
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                        multi_latent_attention=config.multi_latent_attention,
                                         normalization="RMSNorm")
-    rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000)
+    if config.multi_latent_attention:
+        core = _latent_core_attention()
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            layer.submodules.self_attention.submodules.core_attention = core
     return GPTModel(config, spec, vocab_size=hf["vocab_size"], max_sequence_length=64,
-                    position_embedding_type="rope", rotary_base=int(rope),
+                    position_embedding_type="rope", rotary_base=_rope_theta(hf),
                     share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
                     ).eval()
 
@@ -143,6 +206,7 @@ def main() -> None:
     _patch_megatron_for_cpu()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     # Attention forks the CUDA RNG around its (zero) dropout; there is no CUDA RNG here.
@@ -151,6 +215,9 @@ def main() -> None:
     # Engine is not installed (its import fails, the name stays undefined): say it is absent.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Its latent attention finds Transformer Engine "present" through mock classes it cannot
+    # test instances against: say it is absent.
+    multi_latent_attention.HAVE_TE = False
 
     _init(0, 1, _free_port())
     parallel_state.initialize_model_parallel(1, 1)

@@ -37,7 +37,8 @@ def golden(case: str) -> dict:
 
 
 def experts(config: dict) -> int:
-    return config.get("num_experts") or config.get("num_local_experts") or 0
+    return (config.get("num_experts") or config.get("num_local_experts")
+            or config.get("n_routed_experts") or 0)
 
 
 def write_hf(folder: Path, config: dict, dtype: str = "float32", seed: int = 0) -> None:
@@ -108,19 +109,40 @@ def test_local_modules_store_what_megatron_asks_for(tmp_path, case):
     back_to_hf(tmp_path, out, hf)
 
 
+#: latent attention's local modules keep their norms as modules; Transformer Engine's up
+#: projections and a dense layer's linear_fc1 hold them (Megatron-Core's gpt_layer_specs)
+LATENT_NORMS = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj."
+                                                     "layer_norm_weight",
+                "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj."
+                                                      "layer_norm_weight"}
+
+
 def transformer_engine_names(case: str) -> dict[str, list[int]]:
     """Megatron's keys with Transformer Engine modules: a layer with experts keeps its norm
     before the MLP as pre_mlp_layernorm (the local modules store it under linear_fc1, as
-    the golden cases show; read from Megatron-Core's gpt_layer_specs)."""
+    the golden cases show); with latent attention, the low-rank norms and a dense layer's
+    norm before its MLP are held by the linears after them (read from Megatron-Core's
+    gpt_layer_specs)."""
     sharded = golden(case)["sharded"]["tensors"]
+    latent = "kv_lora_rank" in golden(case)["config"]
     out = {}
     for key, shape in sharded.items():
         prefix = key.rsplit("mlp.linear_fc1.layer_norm_weight", 1)[0]
         if key.endswith("mlp.linear_fc1.layer_norm_weight") and any(
                 k.startswith(prefix + "mlp.router") for k in sharded):
             key = prefix + "pre_mlp_layernorm.weight"
-        out[key] = shape
+        out[_latent_name(key, sharded) if latent else key] = shape
     return out
+
+
+def _latent_name(key: str, sharded: dict[str, list[int]]) -> str:
+    for local, held in LATENT_NORMS.items():
+        if key.endswith(local):
+            return key.removesuffix(local) + held
+    prefix = key.removesuffix("pre_mlp_layernorm.weight")
+    if prefix != key and not any(k.startswith(prefix + "mlp.router") for k in sharded):
+        return prefix + "mlp.linear_fc1.layer_norm_weight"
+    return key
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -256,6 +278,48 @@ def test_grouped_rows_match_numpy(tmp_path):
         assert np.array_equal(fc1[layer], np.concatenate([gate, up]))
 
 
+def test_latent_attention_bytes_match_numpy(tmp_path):
+    """DeepSeek-V3 at TP 2 (Transformer Engine modules): the up projections split their
+    rows (whole heads) across ranks, the down projections are whole on each (duplicated
+    TELinear), the low-rank norms are held by the up projections, and the router's
+    expert_bias is float32 (here from bfloat16); each stored tensor is the source's."""
+    hf, out = to_megatron(tmp_path, "deepseek_v3", 2, ep=2, dtype="bfloat16")
+    source = load_file(str(hf / "model.safetensors"))
+    chunks = _chunks(out)
+    layer = "decoder.layers.1.self_attention."
+    assert chunks[layer + "linear_kv_up_proj.weight"] == [("__0_0.distcp", (0, 0)),
+                                                           ("__1_0.distcp", (32, 0))]
+    assert {offsets for _, offsets in chunks[layer + "linear_kv_down_proj.weight"]} == {(0, 0)}
+    with open_source(out) as stored_source:
+        def whole(key: str) -> np.ndarray:
+            shards = stored_source.shards[key]
+            dtype = ml_dtypes.bfloat16 if shards[0].dtype == "bfloat16" else np.float32
+            full = np.zeros(shards[0].global_shape, dtype)
+            for shard in shards:
+                box = tuple(slice(o, o + n) for o, n in zip(shard.global_offset,
+                                                            shard.local_shape))
+                full[box] = np.frombuffer(stored_source.buffer(shard), dtype).reshape(
+                    shard.local_shape)
+            return full
+
+        pairs = {"linear_q_down_proj.weight": "q_a_proj.weight",
+                 "linear_q_up_proj.weight": "q_b_proj.weight",
+                 "linear_q_up_proj.layer_norm_weight": "q_a_layernorm.weight",
+                 "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
+                 "linear_kv_up_proj.weight": "kv_b_proj.weight",
+                 "linear_kv_up_proj.layer_norm_weight": "kv_a_layernorm.weight",
+                 "linear_proj.weight": "o_proj.weight"}
+        for number in (0, 1):
+            for megatron_name, hf_name in pairs.items():
+                got = whole(f"decoder.layers.{number}.self_attention.{megatron_name}")
+                want = source[f"model.layers.{number}.self_attn.{hf_name}"]
+                assert got.dtype == want.dtype and np.array_equal(got, want), megatron_name
+        bias = whole("decoder.layers.1.mlp.router.expert_bias")
+        want = source["model.layers.1.mlp.gate.e_score_correction_bias"]
+        assert bias.dtype == np.float32 and np.array_equal(bias, want.astype(np.float32))
+    back_to_hf(tmp_path, out, hf)
+
+
 # -------------------------------------------------------------------------------- mistakes
 
 
@@ -264,7 +328,32 @@ def test_a_family_without_the_target_names_the_families_with_it():
         mapping_for({"model_type": "gemma3_text"}, "megatron")
     assert caught.value.message == (
         "the gemma3_text family has no 'megatron' target (it has paddleformers); the model "
-        "types with one: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe")
+        "types with one: deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, "
+        "qwen3_moe")
+
+
+def test_multi_token_prediction_layers_are_refused(tmp_path, capsys):
+    """A DeepSeek-V3 checkpoint that holds its multi-token-prediction layer: refused, as
+    --to megatron does not write Megatron's MTP block; nothing is written."""
+    hf = tmp_path / "hf"
+    write_hf(hf, dict(golden("deepseek_v3")["config"], num_nextn_predict_layers=1))
+    out = tmp_path / "out"
+    assert main(["convert", "--source", str(hf), "--output", str(out), "--to", "megatron",
+                 "--quiet"]) == 1
+    assert ("config.json: the checkpoint holds 1 multi-token-prediction layer(s), which "
+            "--to megatron does not write") in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_mapping_notes_multi_token_prediction_layers_it_leaves_out(capsys, tmp_path):
+    config = dict(golden("deepseek_v3")["config"], num_nextn_predict_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["mapping", "--config", str(tmp_path / "config.json"), "--to",
+                 "megatron"]) == 0
+    text = capsys.readouterr().out
+    assert ("# the 1 multi-token-prediction layer(s) of num_nextn_predict_layers are not "
+            "mapped") in text
+    assert "model.layers.2." not in text
 
 
 @pytest.mark.parametrize("options, message", [
@@ -348,7 +437,9 @@ def test_megatron_loads_the_output_and_its_logits_are_transformers(tmp_path):
     """Each case as a transformers model with random weights, converted at TP 2 (EP 2 with
     experts) with the local modules, loaded by Megatron-Core into the GPTModel it builds
     for the config: its sharded_state_dict is the golden one and its logits on a fixed
-    input are transformers' (float32, both on the CPU)."""
+    input are transformers' (float32, both on the CPU). DeepSeek-V3's core attention is the
+    stand-in bench/megatron_model.py gives it (Megatron-Core's local one cannot take latent
+    attention); everything else is Megatron's."""
     import torch
     import transformers
 
@@ -361,6 +452,9 @@ def test_megatron_loads_the_output_and_its_logits_are_transformers(tmp_path):
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.copy_(torch.randn_like(parameter) * 0.5)
+            for name, buffer in model.named_buffers():  # DeepSeek's router correction
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(torch.randn_like(buffer) * 0.5)
             ids = torch.tensor([[3, 17, 42, 99, 5, 64, 8, 21, 100, 7, 1, 2]])
             expected[case] = model(ids).logits.numpy()
         hf = tmp_path / case / "hf"

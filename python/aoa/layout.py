@@ -13,7 +13,7 @@ from math import prod
 from typing import TYPE_CHECKING, Protocol
 
 from aoa.dtypes import ITEMSIZES, is_known, itemsize
-from aoa.errors import UsageError, quote
+from aoa.errors import PlanError, UsageError, quote
 from aoa.inputs import is_text
 from aoa.limits import shape_problem
 
@@ -41,10 +41,25 @@ class ShardDesc:
         """Boxes become tuples of ints and are checked once, here, so passes can trust
         them: a description that is not one is a UsageError naming its key."""
         boxes = (self.local_shape, self.global_shape, self.global_offset)
-        if not all(type(box) is tuple and all(type(n) is int for n in box) for box in boxes):
+        if not (tuple is type(boxes[0]) is type(boxes[1]) is type(boxes[2])
+                and _INT_ONLY.issuperset(map(type, boxes[0] + boxes[1] + boxes[2]))):
             for field_name, box in zip(_BOX_FIELDS, boxes):
                 object.__setattr__(self, field_name, as_box(self.key, field_name, box))
         _check_shard(self)
+
+    @classmethod
+    def unchecked(cls, key: str, local_shape: tuple[int, ...], global_shape: tuple[int, ...],
+                  global_offset: tuple[int, ...], dtype: str | None) -> ShardDesc:
+        """A description made of parts of checked ones (a box inside a checked shard, of
+        its key and dtype), so not checked again: answers to queries make them by the
+        hundred thousand."""
+        shard = _new_object(cls)
+        _set_key(shard, key)
+        _set_local_shape(shard, local_shape)
+        _set_global_shape(shard, global_shape)
+        _set_global_offset(shard, global_offset)
+        _set_dtype(shard, dtype)
+        return shard
 
     @property
     def numel(self) -> int:
@@ -77,6 +92,13 @@ class ShardDesc:
         """An unsharded tensor: one shard covering everything."""
         return cls(key, tuple(shape), tuple(shape), (0,) * len(shape), dtype)
 
+
+_INT_ONLY = frozenset({int})
+_new_object = object.__new__
+# the slots' own setters: a frozen dataclass refuses setattr
+_set_key, _set_local_shape, _set_global_shape, _set_global_offset, _set_dtype = (
+    getattr(ShardDesc, name).__set__
+    for name in ("key", "local_shape", "global_shape", "global_offset", "dtype"))
 
 ShardInfo = Mapping[str, Sequence[ShardDesc]]
 
@@ -167,7 +189,7 @@ def as_box(key: object, field_name: str, box: object) -> tuple[int, ...]:
 def _check_shard(shard: ShardDesc) -> None:
     key = shard.key
     offsets, sizes, totals = shard.global_offset, shard.local_shape, shard.global_shape
-    if not isinstance(key, str) or not is_text(key):
+    if not isinstance(key, str) or not (key.isascii() or is_text(key)):
         raise UsageError(f"a shard's key must be a text, not {quote(key)}")
     if shard.dtype is not None and not (isinstance(shard.dtype, str) and is_known(shard.dtype)):
         raise UsageError(f"shard of '{key}' has dtype {quote(shard.dtype)}, which aoa does not "
@@ -216,6 +238,67 @@ def distinct_boxes(shards: Sequence[_Box]) -> list[int]:
 def elements(shards: Iterable[_Box]) -> int:
     """Elements the boxes hold together, counted box by box (overlaps counted twice)."""
     return sum(prod(shard.local_shape) for shard in shards)
+
+
+@dataclass(frozen=True)
+class TilingFault:
+    """How distinct boxes fail to tile a shape: two that share an element (positions
+    ``overlap``), or, when none do, elements that none holds (``covered`` < ``total``)."""
+
+    overlap: tuple[int, int] | None
+    covered: int
+    total: int
+
+
+def tiling_fault(shape: Sequence[int], boxes: Sequence[_Box]) -> TilingFault | None:
+    """None when ``boxes`` (replicas already set aside) hold every element of ``shape``
+    exactly once; else what is wrong. Exact: no two boxes share an element, and together
+    they hold as many elements as the shape has (so, none being outside it, all of them).
+    Counting elements alone would pass two overlapping boxes that leave a gap."""
+    solid = [position for position, box in enumerate(boxes) if prod(box.local_shape)]
+    pair = overlapping_pair([boxes[position] for position in solid])
+    total = prod(shape)
+    if pair is not None:
+        return TilingFault((solid[pair[0]], solid[pair[1]]), 0, total)
+    covered = elements(boxes)
+    return None if covered == total else TilingFault(None, covered, total)
+
+
+def check_tiling(key: str, shards: Sequence[ShardDesc], what: str = "source") -> None:
+    """The shards listed for ``key`` describe one tensor (one global shape and dtype), and
+    its distinct boxes (a replica counts once) tile it exactly: a PlanError otherwise.
+
+    Every list of source shards is checked here, whatever brought it (`aoa.compile`,
+    shard-info JSON, the Paddle drop-in); checkpoints read from disk are checked by
+    `aoa.storage.chunks` with the same arithmetic, naming their files."""
+    first = shards[0]
+    for shard in shards[1:]:
+        if shard.global_shape != first.global_shape or shard.dtype != first.dtype:
+            raise PlanError(
+                f"the {what} shards of '{key}' describe different tensors: "
+                f"{_described(first)} and {_described(shard)}",
+                hint="Every shard of a key has the tensor's global shape and dtype.")
+    distinct = [shards[position] for position in distinct_boxes(shards)]
+    fault = tiling_fault(first.global_shape, distinct)
+    if fault is None:
+        return
+    hint = "List every shard of the tensor once, with its global offset."
+    if fault.overlap is not None:
+        one, other = (distinct[position] for position in fault.overlap)
+        raise PlanError(f"the {what} shards of '{key}' overlap: [{_region(one)}] and "
+                         f"[{_region(other)}] share elements of its global shape "
+                         f"{list(first.global_shape)}", hint=hint)
+    raise PlanError(f"the {what} shards of '{key}' cover {fault.covered} of the "
+                     f"{fault.total} elements of its global shape "
+                     f"{list(first.global_shape)}", hint=hint)
+
+
+def _region(shard: ShardDesc) -> str:
+    return ", ".join(f"{o}:{o + n}" for o, n in zip(shard.global_offset, shard.local_shape))
+
+
+def _described(shard: ShardDesc) -> str:
+    return f"[{_region(shard)}] of {list(shard.global_shape)} {shard.dtype or '(no dtype)'}"
 
 
 def overlapping_pair(shards: Sequence[_Box]) -> tuple[int, int] | None:

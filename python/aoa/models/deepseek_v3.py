@@ -10,11 +10,17 @@ in float32 with its correction bias. A multi-token-prediction layer keeps its na
 eh_proj is transposed like every linear weight (PaddleFormers 1.2.0 writes no statement for
 it, which its [2h, h] parameter cannot load), and its embed_tokens and shared_head, which
 PaddleFormers shares with the main model, are carried as they are so the way back is whole.
+
+megatron: Megatron-Core's GPTModel with latent attention (`aoa.models.megatron`): the
+projections as linear_q_proj or linear_q_down_proj/linear_q_up_proj, linear_kv_down_proj,
+linear_kv_up_proj; the router with its score correction as expert_bias (float32, as Megatron
+keeps it); shared experts; dense first layers keep per-layer keys. Megatron's
+multi-token-prediction layers are not written: a checkpoint that holds them is refused.
 """
 
 from __future__ import annotations
 
-from aoa.models import decoder, paddleformers
+from aoa.models import decoder, megatron, paddleformers
 from aoa.models.base import (
     EXPERT,
     LAYER,
@@ -22,6 +28,7 @@ from aoa.models.base import (
     Expected,
     Family,
     Mesh,
+    ModelError,
     TargetMapping,
     Tensors,
     dim,
@@ -152,6 +159,29 @@ def separate_mlp(m: TargetMapping, hf: str, target: str) -> None:
         m.add(linear(f"{hf}{proj}.weight", f"{target}{proj}.weight"))
 
 
+def megatron_decoder(cfg: Config) -> megatron.Decoder:
+    """DeepSeek-V3 for the megatron target. Its multi-token-prediction layers are not
+    mapped: a checkpoint that holds them is refused (a checkpoint transformers saved has
+    none, whatever num_nextn_predict_layers says); with no checkpoint at hand, a note."""
+    mtp = cfg.count(MTP, 0)
+    if mtp and cfg.present is not None:
+        raise ModelError(f"{cfg.path}: the checkpoint holds {mtp} multi-token-prediction "
+                         "layer(s), which --to megatron does not write",
+                         hint="Convert the model without them (drop their tensors), or with "
+                              "--to paddleformers.")
+    notes = [f"the {mtp} multi-token-prediction layer(s) of {MTP} are not mapped"] if mtp \
+        else []
+    layers = cfg.positive("num_hidden_layers")
+    dense = cfg.count("first_k_dense_replace", 0)
+    return megatron.Decoder(sparse=[layer >= dense for layer in range(layers)],
+                            experts=cfg.positive("n_routed_experts"),
+                            shared_expert="shared_experts." if cfg.count("n_shared_experts", 0)
+                            else None,
+                            expert_bias="gate.e_score_correction_bias", latent_attention=True,
+                            notes=notes)
+
+
 FAMILY = Family("deepseek_v3", ("deepseek_v3",), tensors,
-                {"paddleformers": to_paddleformers},
+                {"paddleformers": to_paddleformers,
+                 "megatron": megatron.target(megatron_decoder)},
                 "DeepSeek-V3: latent attention, shared and routed experts, MTP layers")

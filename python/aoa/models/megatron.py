@@ -11,10 +11,15 @@ Read from Megatron-Core 0.16's own code (`gpt_layer_specs`, `TELayerNormColumnPa
   linear weight stays [out, in] as in Hugging Face. The embedding is
   ``embedding.word_embeddings``, the final norm ``decoder.final_layernorm``, the head
   ``output_layer`` (absent when the embeddings are tied: Megatron shares the embedding).
+  Latent attention (MLASelfAttention, DeepSeek-V3) keeps its projections apart and as they
+  are: ``linear_q_proj`` or ``linear_q_down_proj``/``linear_q_up_proj``,
+  ``linear_kv_down_proj``, ``linear_kv_up_proj``, ``linear_proj``.
 * Norms (``--transformer-impl``): with Transformer Engine (the default) the norm before
   attention is held by ``linear_qkv`` (``layer_norm_weight``), the norm before a dense MLP by
   ``linear_fc1``, and a layer with experts keeps ``pre_mlp_layernorm``; the local
-  implementation keeps ``input_layernorm`` and ``pre_mlp_layernorm`` as modules.
+  implementation keeps ``input_layernorm`` and ``pre_mlp_layernorm`` as modules. With
+  latent attention ``input_layernorm`` is always a module, and Transformer Engine's up
+  projections hold the low-rank norms (the local modules: ``q_layernorm``, ``kv_layernorm``).
 * Experts: ``mlp.router``; grouped GEMM (TEGroupedMLP, the default) names expert E's
   weights ``mlp.experts.linear_fc1.weightE``, the sequential ones
   ``mlp.experts.local_experts.E.linear_fc1.weight``; a shared expert is
@@ -116,6 +121,8 @@ class Decoder:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_expert: str | None = None  # the shared expert's block, under ``moe``
     shared_gate: str | None = None  # its gate's weight, under ``moe``
+    expert_bias: str | None = None  # the router's score correction, under ``moe``
+    latent_attention: bool = False  # DeepSeek's multi-head latent attention
     notes: list[str] = field(default_factory=list)
 
 
@@ -159,9 +166,10 @@ def check_mesh(cfg: Config, mesh: Mesh, *, heads: int, kv_heads: int, layers: in
 
 
 def decoder(cfg: Config, mesh: Mesh, spec: Decoder, options: Options) -> TargetMapping:
-    """The megatron mapping of a standard decoder: grouped-query attention, dense and
-    sparse layers."""
-    heads, kv_heads = cfg.positive("num_attention_heads"), cfg.kv_heads()
+    """The megatron mapping of a standard decoder: grouped-query or latent attention, dense
+    and sparse layers."""
+    heads = cfg.positive("num_attention_heads")
+    kv_heads = heads if spec.latent_attention else cfg.kv_heads()
     layers = cfg.positive("num_hidden_layers")
     sparse = list(spec.sparse) or [False] * layers
     experts = spec.experts if any(sparse) else 0
@@ -169,24 +177,14 @@ def decoder(cfg: Config, mesh: Mesh, spec: Decoder, options: Options) -> TargetM
     te = options.transformer_impl == TRANSFORMER_ENGINE
     m = TargetMapping(notes=list(spec.notes))
     hf, mg = f"model.layers.{LAYER}.", f"{LAYERS}{LAYER}."
-    a, s = hf + "self_attn.", mg + "self_attention."
     m.add(rename("model.embed_tokens.weight", EMBEDDING))
     if not cfg.flag("tie_word_embeddings"):
         m.add(rename("lm_head.weight", OUTPUT))
     m.add(rename("model.norm.weight", FINAL_NORM))
-    m.add(rename(hf + "input_layernorm.weight",
-                 s + "linear_qkv.layer_norm_weight" if te else mg + "input_layernorm.weight"))
-    m.add(grouped_qkv(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
-                      s + "linear_qkv.weight", heads, kv_heads))
-    if spec.qkv_bias:
-        m.add(grouped_qkv(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias",
-                          s + "linear_qkv.bias", heads, kv_heads))
-    m.add(rename(a + "o_proj.weight", s + "linear_proj.weight"))
-    if spec.o_bias:
-        m.add(rename(a + "o_proj.bias", s + "linear_proj.bias"))
-    if spec.qk_norm:
-        m.add(rename(a + "q_norm.weight", s + "q_layernorm.weight"),
-              rename(a + "k_norm.weight", s + "k_layernorm.weight"))
+    if spec.latent_attention:
+        _latent_attention(m, cfg, hf, mg, te)
+    else:
+        _attention(m, spec, hf, mg, te, heads, kv_heads)
     _pre_mlp_norms(m, sparse, te)
     if not all(sparse):
         _mlp(m, hf + "mlp.", mg + "mlp.", ("gate_proj", "up_proj", "down_proj"),
@@ -205,13 +203,80 @@ def decoder(cfg: Config, mesh: Mesh, spec: Decoder, options: Options) -> TargetM
                  ("gate_proj", "up_proj", "down_proj"), False)
         if spec.shared_gate:
             m.add(rename(moe + spec.shared_gate, mg + "mlp.shared_experts.gate_weight"))
-    m.splits = splits(mesh, layers, experts, options)
+        if spec.expert_bias:  # Megatron keeps it in float32
+            m.add(rename(moe + spec.expert_bias, mg + "mlp.router.expert_bias", float32=True))
     homogeneous = len(set(sparse)) == 1
-    m.stacking = stacking(layers, experts, options, homogeneous)
+    q_lora = spec.latent_attention and bool(cfg.optional_count("q_lora_rank"))
+    m.splits = splits(mesh, layers, experts, options, latent=spec.latent_attention)
+    m.stacking = stacking(layers, experts, options, homogeneous,
+                          local_norms=not spec.latent_attention)
     m.objects = extra_states(layers, experts, sparse, options, homogeneous,
-                             qk_norm=spec.qk_norm, shared=bool(spec.shared_expert))
+                             attention=_attention_modules(spec, te, q_lora),
+                             shared=bool(spec.shared_expert))
     m.options = options.to_json()
     return m
+
+
+def _attention(m: TargetMapping, spec: Decoder, hf: str, mg: str, te: bool, heads: int,
+               kv_heads: int) -> None:
+    """Grouped-query attention: q, k, v as linear_qkv's rows grouped by key/value head."""
+    a, s = hf + "self_attn.", mg + "self_attention."
+    m.add(rename(hf + "input_layernorm.weight",
+                 s + "linear_qkv.layer_norm_weight" if te else mg + "input_layernorm.weight"))
+    m.add(grouped_qkv(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
+                      s + "linear_qkv.weight", heads, kv_heads))
+    if spec.qkv_bias:
+        m.add(grouped_qkv(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias",
+                          s + "linear_qkv.bias", heads, kv_heads))
+    m.add(rename(a + "o_proj.weight", s + "linear_proj.weight"))
+    if spec.o_bias:
+        m.add(rename(a + "o_proj.bias", s + "linear_proj.bias"))
+    if spec.qk_norm:
+        m.add(rename(a + "q_norm.weight", s + "q_layernorm.weight"),
+              rename(a + "k_norm.weight", s + "k_layernorm.weight"))
+
+
+def _latent_attention(m: TargetMapping, cfg: Config, hf: str, mg: str, te: bool) -> None:
+    """Multi-head latent attention (MLASelfAttention): every projection as it is (heads in
+    Hugging Face's order, no-position part before rotary part); the low-rank norms held by
+    the up projections with Transformer Engine, kept as q_layernorm and kv_layernorm by the
+    local modules; the norm before attention a module of its own."""
+    if cfg.flag("attention_bias"):
+        raise ModelError(f"{cfg.path}: attention_bias is true, but Megatron's latent attention "
+                         "has no biases on its projections",
+                         hint="Convert this model with --to paddleformers, or write the "
+                              "mapping by hand.")
+    a, s = hf + "self_attn.", mg + "self_attention."
+    m.add(rename(hf + "input_layernorm.weight", mg + "input_layernorm.weight"))
+    if cfg.optional_count("q_lora_rank"):
+        m.add(rename(a + "q_a_proj.weight", s + "linear_q_down_proj.weight"),
+              rename(a + "q_a_layernorm.weight", s + ("linear_q_up_proj.layer_norm_weight"
+                                                       if te else "q_layernorm.weight")),
+              rename(a + "q_b_proj.weight", s + "linear_q_up_proj.weight"))
+    else:
+        m.add(rename(a + "q_proj.weight", s + "linear_q_proj.weight"))
+    m.add(rename(a + "kv_a_proj_with_mqa.weight", s + "linear_kv_down_proj.weight"),
+          rename(a + "kv_a_layernorm.weight", s + ("linear_kv_up_proj.layer_norm_weight"
+                                                    if te else "kv_layernorm.weight")),
+          rename(a + "kv_b_proj.weight", s + "linear_kv_up_proj.weight"),
+          rename(a + "o_proj.weight", s + "linear_proj.weight"))
+
+
+def _attention_modules(spec: Decoder, te: bool, q_lora: bool) -> list[str]:
+    """The attention modules of a layer that keep an ``_extra_state``."""
+    if not spec.latent_attention:
+        modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+        if te:
+            modules.append("self_attention.core_attention")
+            if spec.qk_norm:
+                modules += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
+        return modules
+    queries = ["linear_q_down_proj", "linear_q_up_proj"] if q_lora else ["linear_q_proj"]
+    modules = [f"self_attention.{name}" for name in (
+        *queries, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")]
+    if te:
+        modules += ["self_attention.core_attention", "input_layernorm"]
+    return modules
 
 
 def _pre_mlp_norms(m: TargetMapping, sparse: list[bool], te: bool) -> None:
@@ -245,10 +310,20 @@ def _expert_key(layer: str, name: str, options: Options, what: str = "weight") -
     return f"{layer}mlp.experts.local_experts.{EXPERT}.{name}.{what}"
 
 
-def splits(mesh: Mesh, layers: int, experts: int, options: Options) -> list[Split]:
+def splits(mesh: Mesh, layers: int, experts: int, options: Options, *, latent: bool = False
+           ) -> list[Split]:
     """The layout rules of a Megatron GPTModel, first match first."""
     by = by_layer(layers)
     rules: list[Split] = []
+    if latent:
+        # the up projections split their heads; the down projections are whole with
+        # Transformer Engine, split like any column-parallel linear by the local modules
+        down = None if options.transformer_impl == TRANSFORMER_ENGINE else 0
+        rules += [Split(f"{LAYERS}*.linear_q_proj.weight", tp=0, pp=by),
+                  Split(f"{LAYERS}*.linear_q_up_proj.weight", tp=0, pp=by),
+                  Split(f"{LAYERS}*.linear_kv_up_proj.weight", tp=0, pp=by),
+                  Split(f"{LAYERS}*.linear_q_down_proj.weight", tp=down, pp=by),
+                  Split(f"{LAYERS}*.linear_kv_down_proj.weight", tp=down, pp=by)]
     if experts:
         after = (".weight" if options.experts == GROUPED else "local_experts.")
         place = Placement(number_after=after, of=experts)
@@ -268,9 +343,11 @@ def splits(mesh: Mesh, layers: int, experts: int, options: Options) -> list[Spli
     return rules
 
 
-def stacking(layers: int, experts: int, options: Options, homogeneous: bool
-             ) -> list[Stacking]:
-    """How the distributed checkpoint stores the per-layer (and per-expert) keys."""
+def stacking(layers: int, experts: int, options: Options, homogeneous: bool, *,
+             local_norms: bool = True) -> list[Stacking]:
+    """How the distributed checkpoint stores the per-layer (and per-expert) keys;
+    ``local_norms``: the local modules store their norms under Transformer Engine's names
+    (grouped-query attention's layer spec maps them; latent attention's does not)."""
     layer = LAYERS + ("" if homogeneous else f"{LAYER}.")
     sizes = (layers,) if homogeneous else ()
     rules = []
@@ -283,7 +360,7 @@ def stacking(layers: int, experts: int, options: Options, homogeneous: bool
         else:
             rules.append(Stacking(f"{LAYERS}{LAYER}.mlp.experts.local_experts.{EXPERT}.*",
                                   stacked, (*sizes, experts)))
-    if options.transformer_impl == LOCAL:
+    if options.transformer_impl == LOCAL and local_norms:
         for module, stored in (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")):
             rules.append(Stacking(f"{LAYERS}{LAYER}.{module}weight", f"{layer}{stored}weight",
@@ -294,17 +371,14 @@ def stacking(layers: int, experts: int, options: Options, homogeneous: bool
 
 
 def extra_states(layers: int, experts: int, sparse: Sequence[bool], options: Options,
-                 homogeneous: bool, *, qk_norm: bool, shared: bool) -> list[str]:
+                 homogeneous: bool, *, attention: Sequence[str], shared: bool) -> list[str]:
     """The unique keys of the ``_extra_state`` sharded objects Megatron's modules ask for
-    (``KEY/shard_OFFSETS_SHAPE``, as `ShardedObject.unique_key` spells them)."""
+    (``KEY/shard_OFFSETS_SHAPE``, as `ShardedObject.unique_key` spells them);
+    ``attention``: the attention modules of a layer that have one."""
     te = options.transformer_impl == TRANSFORMER_ENGINE
     keys = []
     for number, has_experts in enumerate(sparse):
-        modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
-        if te:
-            modules.append("self_attention.core_attention")
-            if qk_norm:
-                modules += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
+        modules = list(attention)
         if not has_experts:
             modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
         else:

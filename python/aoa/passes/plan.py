@@ -14,20 +14,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from operator import attrgetter
+from operator import add, attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS, is_exact_widening
-from aoa.errors import PlanError, ValidationError
-from aoa.layout import (
-    BETA_POW_SUFFIXES,
-    ShardDesc,
-    distinct_boxes,
-    elements,
-    overlapping_pair,
-    split_optimizer_suffix,
-)
+from aoa.errors import ValidationError
+from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, distinct_boxes, split_optimizer_suffix
 from aoa.passes.context import CompileContext
 from aoa.plan import CopyTable, KeyedCopy, Plan
 from aoa.printer import shard_region
@@ -61,6 +54,11 @@ class _ShardCopy(NamedTuple):
     casts: tuple[str, ...]
 
 
+#: what planning one key's shards leaves: the reads, as (slot, positions of its shards), the
+#: copies, and each shard's answer
+_KeyPlan = tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy], list[list[Entry]]]
+
+
 class _ShardRead(NamedTuple):
     """One read of an entry from one source shard, relative to the entry's boxes."""
 
@@ -70,19 +68,10 @@ class _ShardRead(NamedTuple):
     source_start: Box  # local to the shard
 
 
-def _distinct_positions(key: str, shards: Sequence[ShardDesc]) -> list[int] | None:
-    """Which listed shards are distinct (replicas once; None: all), checked to tile the
-    global shape exactly once: as many elements as the shape holds, and no two sharing one
-    (the box arithmetic of `aoa.layout`, as storage checks stored chunks)."""
+def _distinct_positions(shards: Sequence[ShardDesc]) -> list[int] | None:
+    """Which listed shards are distinct (replicas once; None: all). The context checked,
+    as the shards came in, that these tile the global shape exactly."""
     positions = distinct_boxes(shards)
-    distinct = [shards[i] for i in positions]
-    shape = distinct[0].global_shape
-    if elements(distinct) != prod(shape) or any(
-            shard.global_shape != shape for shard in distinct) or (
-            len(distinct) > 1 and overlapping_pair([s for s in distinct if s.numel])):
-        raise PlanError(f"the shards of source key '{key}' do not tile its global shape "
-                        f"{list(shape)} exactly once",
-                        hint="List every shard of the tensor once, with its global offset.")
     return None if len(positions) == len(shards) else positions
 
 
@@ -148,11 +137,11 @@ def destination_shards(tensors: SymbolicTensors, ctx: CompileContext) -> list[Sh
     in the dtype its casts produce (spec 7.2)."""
     if ctx.destination is not None:
         return [shard for shards in ctx.destination.values() for shard in shards]
-    return [ShardDesc.full(name, tensor.shape, _output_dtype(name, tensor))
+    return [ShardDesc.full(name, tensor.shape, output_dtype(name, tensor))
             for name, tensor in sorted(tensors.outputs.items()) if tensor is not None]
 
 
-def _output_dtype(name: str, tensor: Tensor) -> str | None:
+def output_dtype(name: str, tensor: Tensor) -> str | None:
     """Without a destination, an output's dtype is the one its casts produce (spec 7.2)."""
     last = set()
     for piece in tensor.piece_map.pieces:
@@ -173,7 +162,7 @@ class Planner:
     by values only (what is remembered is right for whatever asks with an equal key):
 
     - ``_distinct``: sharding number of a source key -> positions of its distinct shards
-      (None: all), checked once to tile the tensor;
+      (None: all);
     - ``_source_shards``: source key -> its distinct shards;
     - ``_reads_memo``: (source box of an entry, its axis order, sharding number of the
       source key) -> the reads of that box from the key's distinct shards;
@@ -193,8 +182,10 @@ class Planner:
         self._source_shards: dict[str, list[ShardDesc]] = {}
         self._reads_memo: dict[tuple, list[_ShardRead]] = {}
         self._casts_memo: dict[tuple, tuple[str, ...]] = {}
-        self._key_memo: dict[tuple, tuple[list[tuple[int, tuple[int, ...]]],
-                                          list[KeyedCopy]]] = {}
+        self._key_memo: dict[tuple, _KeyPlan] = {}
+        #: destination key -> the answer of each of its declared shards, in listed order,
+        #: with the keys the answers' slots read (filled by `plan` of the declared shards)
+        self.planned_answers: dict[str, tuple[list[list[Entry]], Sequence[str]]] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -209,7 +200,7 @@ class Planner:
     def _raw_entries(self, target: ShardDesc, tensor: Tensor, suffix: str | None
                      ) -> list[Entry]:
         lo = target.global_offset
-        hi = tuple(o + n for o, n in zip(lo, target.local_shape))
+        hi = tuple(map(add, lo, target.local_shape))
         if suffix not in BETA_POW_SUFFIXES and len(lo) != len(tensor.shape):
             raise ValidationError(
                 f"destination {_describe(target)} has {len(lo)} dimensions, but the program "
@@ -313,7 +304,7 @@ class Planner:
 
     # -- source shards -------------------------------------------------------------------
     def source_shards(self, key: str) -> list[ShardDesc]:
-        """The distinct shards of a source key (replicas once), checked to tile it."""
+        """The distinct shards of a source key (replicas once)."""
         shards = self._source_shards.get(key)
         if shards is not None:
             return shards
@@ -322,7 +313,7 @@ class Planner:
         if sharding in self._distinct:
             positions = self._distinct[sharding]
         else:
-            positions = self._distinct[sharding] = _distinct_positions(key, listed)
+            positions = self._distinct[sharding] = _distinct_positions(listed)
         distinct = listed if positions is None else [listed[i] for i in positions]
         self._source_shards[key] = distinct
         return distinct
@@ -385,7 +376,9 @@ class Planner:
                 memo = self._key_copies(shards, tensor, suffix, same)
                 if not removed:
                     self._key_memo[memo_key] = memo
-            reads, key_copies = memo
+            reads, key_copies, answers = memo
+            if declared is not None:
+                self.planned_answers[key] = (answers, read_keys)
             if len(reads) == 1:
                 slot, positions = reads[0]
                 ids = source_index.ids(read_keys[slot], positions)
@@ -401,19 +394,23 @@ class Planner:
         return Plan(source_index.shards, destinations, copies, notes, untouched)
 
     def _key_copies(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None,
-                    same: tuple[int, ...] | None
-                    ) -> tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy]]:
+                    same: tuple[int, ...] | None) -> _KeyPlan:
         """The copies of one key's shards, with sources as positions in the key's distinct
-        reads, so that another key laid out alike only renames them.
+        reads, so that another key laid out alike only renames them; and each shard's
+        answer (its pieces, sources as slots).
 
         The reads are listed per source key, as (the first slot that reads it, positions of
         its shards read), and numbered in that order; ``same`` gives each slot's first
         slot of the same key (None: one slot)."""
+        answers: list[list[Entry]] = []
         # each copy with its read as (the first slot of its source key, shard position)
-        planned = [(k, (r.source.slot if same is None else same[r.source.slot],
-                        r.source.shard), r)
-                   for k, target in enumerate(shards)
-                   for r in self._shard_copies(target, tensor, suffix)]
+        planned = []
+        for k, target in enumerate(shards):
+            entries = self._raw_entries(target, tensor, suffix)
+            answers.append(entries)
+            planned += [(k, (r.source.slot if same is None else same[r.source.slot],
+                             r.source.shard), r)
+                        for r in self._shard_copies(target, tensor, suffix, entries)]
         by_key: dict[int, dict[int, None]] = {}
         for _, (slot, position), _ in planned:
             by_key.setdefault(slot, {})[position] = None
@@ -421,12 +418,12 @@ class Planner:
         number = {read: i for i, read in enumerate(
             [(slot, p) for slot, positions in reads for p in positions])}
         return reads, [(k, number[read], r.destination_start, r.shape, r.source_start,
-                        r.order, r.casts) for k, read, r in planned]
+                        r.order, r.casts) for k, read, r in planned], answers
 
-    def _shard_copies(self, target: ShardDesc, tensor: Tensor, suffix: str | None
-                      ) -> list[_ShardCopy]:
-        """Validate one destination shard and work out its copies."""
-        entries = self._raw_entries(target, tensor, suffix)
+    def _shard_copies(self, target: ShardDesc, tensor: Tensor, suffix: str | None,
+                      entries: list[Entry]) -> list[_ShardCopy]:
+        """Validate one destination shard, whose answer is ``entries``, and work out its
+        copies."""
         read_keys = [tensor.keys[e.slot] + (suffix or "") for e in entries]
         self._check(target, tensor, [(k, e.ops) for k, e in zip(read_keys, entries)],
                     [(e.target_lo, e.target_hi, k) for k, e in zip(read_keys, entries)])
