@@ -151,6 +151,28 @@ def test_a_file_system_refusing_direct_writes(tmp_path: Path, monkeypatch) -> No
     assert (tmp_path / "f").read_bytes() == expected(layout)
 
 
+def test_both_writers_refused_direct_writes_at_once(tmp_path: Path, monkeypatch) -> None:
+    """Both writer threads are refused before either has left direct I/O: the one that
+    finds it done already carries on through the page cache too."""
+    import fcntl
+    import threading
+
+    real_pwrite = os.pwrite
+    together = threading.Barrier(2, timeout=10)
+
+    def refuse_direct(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            together.wait()  # both writes are in flight, refused at once
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refuse_direct)
+    layout = small_layout()
+    with StagingBuffers(2, 2 * ALIGNMENT) as buffers:
+        assert write_file(tmp_path / "f", layout, Recorder(layout), buffers) is False
+    assert (tmp_path / "f").read_bytes() == expected(layout)
+
+
 def test_a_full_disk_during_the_writes(tmp_path: Path, monkeypatch) -> None:
     real_pwrite = os.pwrite
 

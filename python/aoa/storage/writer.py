@@ -267,24 +267,24 @@ class _Writes:
         try:
             done = 0
             while done < length:
+                direct = self.direct
                 try:
                     done += os.pwrite(self.fd, view[done:], offset + done)
                 except OSError as error:
-                    if error.errno != errno.EINVAL or not self._leave_direct():
-                        raise
+                    if error.errno != errno.EINVAL or not direct:
+                        raise  # refused through the page cache too: something else
+                    self._leave_direct()
         finally:
             view.release()
 
-    def _leave_direct(self) -> bool:
+    def _leave_direct(self) -> None:
         """After a direct write the file system refused: write through the page cache from
-        now on. False if that was done already (the error is something else)."""
+        now on (the other writer, refused at the same time, finds it done)."""
         with self._switch:
-            if not self.direct:
-                return False
-            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
-            self.direct = False
-            return True
+            if self.direct:
+                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                self.direct = False
 
     def _stop(self) -> None:
         for _ in self._threads:
