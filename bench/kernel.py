@@ -9,6 +9,11 @@ kernel is faster). The kernel runs on one thread unless the line says otherwise,
 meets numpy, which has one, on equal terms; the last lines show 1 -> N thread scaling.
 Targets: contiguous slice >= 0.9x np.copyto; transpose >= 10x numpy's copyto from a
 transposed view and >= 0.5x memcpy of the same bytes. Needs about 1.5 GB at 8192.
+
+The fp8 lines dequantize a float8_e4m3fn weight with one float32 scale per 128 x 128 block
+into bfloat16 (DeepSeek-V3's weight_scale_inv), as stored and transposed, against the numpy
+reference backend running the same copy (aoa.runtime.numpy_backend, the definition the
+kernel is tested against); GB/s counts the bytes read and written.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from aoa.runtime import cpp_backend
-from aoa.runtime.copies import Copy
+from aoa.runtime import cpp_backend, numpy_backend
+from aoa.runtime.copies import BlockScale, Copy
 from aoa.runtime.copies import c_strides as contiguous
 
 
@@ -97,6 +102,28 @@ def main() -> None:
                         lambda: np.copyto(f32_out, bf16, casting="unsafe"), repeats))
     assert np.array_equal(f32_out, bf16.astype(np.float32))
 
+    fp8 = rng.integers(0, 256, (n, n), dtype=np.uint8)
+    fp8[(fp8 & 0x7F) == 0x7F] = 0  # no NaN
+    grid = -(-n // 128)
+    scales = rng.uniform(0.01, 2, (grid, grid)).astype(np.float32)
+    dequantized = {}
+    for name, order in (("as stored", (0, 1)), ("transposed", (1, 0))):
+        block = BlockScale(1, 0, tuple(contiguous((grid, grid), 4)[a] for a in order),
+                           (128, 128), (0, 0))
+        copy = Copy(0, 0, tuple(contiguous((n, n), 1)[a] for a in order), 0, 0,
+                    contiguous((n, n), 2), (n, n), "float8_e4m3fn", "bfloat16", (), block)
+        dequantized[name] = (copy, [fp8, scales], bf16_out)
+        reference = np.zeros_like(bf16_out)
+        times = side_by_side(
+            lambda c=copy: cpp_backend.execute_copies([c], [fp8, scales], [bf16_out],
+                                                   threads=1),
+            lambda c=copy, r=reference: numpy_backend.execute_copies([c], [fp8, scales], [r]),
+            repeats)
+        moved = n * n * 3 + scales.nbytes
+        report(f"dequantize fp8 -> bfloat16 {name}, vs the numpy reference", times,
+               f"{moved / times[0] / 1e9:.2f} vs {moved / times[1] / 1e9:.2f} GB/s")
+        assert bf16_out.tobytes() == reference.tobytes()
+
     print(f"scaling: the kernel on {threads} threads (kernel column) against 1 (other column)")
     scaled = {
         "contiguous slice, float32": (slice_copy, f32, half),
@@ -108,6 +135,15 @@ def main() -> None:
         one, many = side_by_side(run_kernel(copy, source, out, 1),
                                  run_kernel(copy, source, out, threads), repeats)
         report(f"{name}, 1 -> {threads} threads (speed-up)", (many, one))
+    for name, (copy, sources, out) in dequantized.items():
+        one, many = side_by_side(
+            lambda c=copy, s=sources, o=out: cpp_backend.execute_copies([c], s, [o], threads=1),
+            lambda c=copy, s=sources, o=out: cpp_backend.execute_copies([c], s, [o],
+                                                                        threads=threads),
+            repeats)
+        moved = n * n * 3 + scales.nbytes
+        report(f"dequantize fp8 {name}, 1 -> {threads} threads (speed-up)", (many, one),
+               f"{moved / many / 1e9:.2f} GB/s on {threads}")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from frameworks import PADDLE_PYTHON, paddle_load
 
 import aoa
 from aoa.cli import main
+from aoa.dtypes import numpy_dtype
 from aoa.models import FAMILIES, Config, Mesh, ModelError, known_model_types, mapping_for
+from aoa.storage.formats import open_source
 from aoa.storage.safetensors import SafetensorsFile, write_safetensors
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
@@ -141,6 +144,19 @@ def hf(tmp_path):
     return tmp_path / "hf", tensors
 
 
+def held(folder: Path) -> dict[tuple[str, tuple[int, ...]], np.ndarray]:
+    """Every box a converted folder holds, read in whatever format it is written: (key,
+    global offset) -> the box's values."""
+    boxes = {}
+    with open_source(folder) as source:
+        for key, shards in source.shards.items():
+            for shard in shards:
+                boxes[key, shard.global_offset] = np.frombuffer(
+                    bytes(source.buffer(shard)), numpy_dtype(shard.dtype or "float32")
+                ).reshape(shard.local_shape)
+    return boxes
+
+
 def test_convert_writes_shards_side_files_and_record(hf, tmp_path, capsys):
     folder, tensors = hf
     status, _, err = run("convert", "--source", str(folder), "--output",
@@ -148,17 +164,40 @@ def test_convert_writes_shards_side_files_and_record(hf, tmp_path, capsys):
                          "--quiet", capsys=capsys)
     assert status == 0, err
     names = sorted(p.name for p in (tmp_path / "pf").iterdir())
-    assert names == ["aoa-conversion.json", "config.json", "rank-00000-of-00002.safetensors",
-                     "rank-00001-of-00002.safetensors", "tokenizer.json"]
+    assert names == ["0.metadata", "0_0.distcp", "1_0.distcp", "aoa-conversion.json",
+                     "config.json", "tokenizer.json"]  # Paddle FlexCheckpoint, PaddleFormers' own
     record = json.loads((tmp_path / "pf" / "aoa-conversion.json").read_text())
     assert record["family"] == "llama" and record["mesh"] == {"tp": 2, "ep": 1, "pp": 1}
+    assert record["format"] == "paddle"
     assert record["dtype"] is None and record["aoa_version"]
     assert record["mapping"] == mapping_for(LLAMA, "paddleformers", Mesh(tp=2)).forward
-    with SafetensorsFile.open(tmp_path / "pf" / "rank-00001-of-00002.safetensors") as f:
-        q = f.array("model.layers.1.self_attn.q_proj.weight")
-        down = f.array("model.layers.1.mlp.down_proj.weight")
+    boxes = held(tmp_path / "pf")
+    q = boxes["model.layers.1.self_attn.q_proj.weight", (0, 16)]
+    down = boxes["model.layers.1.mlp.down_proj.weight", (32, 0)]
     assert np.array_equal(q, tensors["model.layers.1.self_attn.q_proj.weight"].T[:, 16:])
     assert np.array_equal(down, tensors["model.layers.1.mlp.down_proj.weight"].T[32:])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PADDLE_PYTHON is None, reason="PaddlePaddle 3.3.1 venv not here")
+def test_paddle_loads_the_paddleformers_output_as_it_is(hf, tmp_path, capsys):
+    """Paddle 3.3.1's load_state_dict reads what `--to paddleformers` writes (by default
+    Paddle FlexCheckpoint), each tensor as PaddleFormers holds it: the layers' linear weights
+    transposed to [in, out], the rest as Hugging Face stores it."""
+    folder, tensors = hf
+    status, _, err = run("convert", "--source", str(folder), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", "--tp", "2",
+                         "--quiet", capsys=capsys)
+    assert status == 0, err
+    loaded = paddle_load(tmp_path / "pf", {key: (value.shape[::-1] if _linear(key) else
+                                                 value.shape, str(value.dtype))
+                                           for key, value in tensors.items()}, tmp_path)
+    assert loaded == {key: np.ascontiguousarray(value.T if _linear(key) else value).tobytes()
+                      for key, value in tensors.items()}
+
+
+def _linear(key: str) -> bool:
+    return key.startswith("model.layers.") and key.endswith("_proj.weight")
 
 
 def test_edited_mapping_is_used(hf, tmp_path, capsys):
@@ -173,8 +212,7 @@ def test_edited_mapping_is_used(hf, tmp_path, capsys):
                          "--to", "paddleformers", "--mapping", str(tmp_path / "edited.aoa"),
                          "--quiet", capsys=capsys)
     assert status == 0, err
-    with SafetensorsFile.open(tmp_path / "pf" / "rank-00000-of-00001.safetensors") as f:
-        assert f.array("model.norm.weight").dtype == np.float16
+    assert held(tmp_path / "pf")["model.norm.weight", (0,)].dtype == np.float16
     record = json.loads((tmp_path / "pf" / "aoa-conversion.json").read_text())
     assert record["mapping"] == edited and record["mapping_origin"].endswith("edited.aoa")
 
@@ -306,12 +344,13 @@ def test_multi_token_prediction_layers_round_trip(tmp_path, capsys, config):
         assert set(f.tensors) == set(tensors)
         for key, value in tensors.items():
             assert f.array(key).tobytes() == value.tobytes(), key
-    with SafetensorsFile.open(tmp_path / "out0" / "rank-00000-of-00004.safetensors") as f:
-        eh = f.array("model.layers.2.eh_proj.weight")
-        assert np.array_equal(eh, tensors["model.layers.2.eh_proj.weight"].T)
-        if config is GLM:  # the MTP layer's decoder goes under transformer_layer.
-            assert "model.layers.2.transformer_layer.self_attn.qkv_proj.weight" in f.tensors
-            assert "model.layers.2.norm.weight" in f.tensors
+    boxes = held(tmp_path / "out0")
+    eh = boxes["model.layers.2.eh_proj.weight", (0, 0)]
+    assert np.array_equal(eh, tensors["model.layers.2.eh_proj.weight"].T)
+    if config is GLM:  # the MTP layer's decoder goes under transformer_layer.
+        keys = {key for key, _ in boxes}
+        assert "model.layers.2.transformer_layer.self_attn.qkv_proj.weight" in keys
+        assert "model.layers.2.norm.weight" in keys
 
 
 def test_a_checkpoint_without_its_mtp_layers_converts_with_a_note(tmp_path, capsys):
@@ -352,19 +391,24 @@ def test_demo_converts_and_comes_back(capsys):
 
 
 def test_the_output_format_is_one_argument(hf, tmp_path, capsys):
-    """Paddle FlexCheckpoint files instead of sharded safetensors, and back."""
+    """Sharded safetensors (one file per rank, DCP's sharding info) instead of Paddle
+    FlexCheckpoint files, and back."""
     folder, tensors = hf
-    round_trip_steps = (["--to", "paddleformers", "--tp", "2", "--output-format", "paddle"],
-                        ["--to", "hf"])
+    round_trip_steps = (["--to", "paddleformers", "--tp", "2", "--output-format",
+                         "dcp-safetensors"], ["--to", "hf"])
     source = folder
     for index, extra in enumerate(round_trip_steps):
         status, _, err = run("convert", "--source", str(source), "--output",
                              str(tmp_path / f"out{index}"), *extra, "--quiet", capsys=capsys)
         assert status == 0, err
         source = tmp_path / f"out{index}"
-    assert (tmp_path / "out0" / "0.metadata").is_file()
+    assert sorted(p.name for p in (tmp_path / "out0").glob("rank-*")) == [
+        "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    with SafetensorsFile.open(tmp_path / "out0" / "rank-00001-of-00002.safetensors") as f:
+        assert np.array_equal(f.array("model.layers.1.mlp.down_proj.weight"),
+                              tensors["model.layers.1.mlp.down_proj.weight"].T[32:])
     record = json.loads((tmp_path / "out0" / "aoa-conversion.json").read_text())
-    assert record["format"] == "paddle"
+    assert record["format"] == "dcp-safetensors"
     with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
         for key, value in tensors.items():
             assert f.array(key).tobytes() == value.tobytes(), key
@@ -373,8 +417,8 @@ def test_the_output_format_is_one_argument(hf, tmp_path, capsys):
 def test_pipeline_stages_hold_their_layers_and_come_back(tmp_path, capsys):
     config = {**LLAMA, "num_hidden_layers": 4}
     tensors = hf_folder(tmp_path / "hf", config)
-    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--pp", "2"],
-               ["--to", "hf"])
+    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--pp", "2",
+                                  "--output-format", "dcp-safetensors"], ["--to", "hf"])
     held = []
     for rank in range(4):
         with SafetensorsFile.open(tmp_path / "out0" / f"rank-{rank:05d}-of-00004.safetensors"
@@ -398,9 +442,9 @@ def test_dtype_narrows_on_the_way_there_and_the_way_back_restores_the_dtype(tmp_
     tensors = hf_folder(tmp_path / "hf", config)
     round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--dtype", "bfloat16"],
                ["--to", "paddleformers", "--tp", "4"], ["--to", "hf"])
-    with SafetensorsFile.open(tmp_path / "out1" / "rank-00000-of-00004.safetensors") as f:
-        assert f.array("model.layers.0.mlp.gate.weight").dtype == np.float32
-        assert f.array("model.layers.0.self_attn.qkv_proj.weight").dtype == ml_dtypes.bfloat16
+    boxes = held(tmp_path / "out1")
+    assert boxes["model.layers.0.mlp.gate.weight", (0, 0)].dtype == np.float32
+    assert boxes["model.layers.0.self_attn.qkv_proj.weight", (0, 0)].dtype == ml_dtypes.bfloat16
     record = json.loads((tmp_path / "out1" / "aoa-conversion.json").read_text())
     assert record["dtype"] == "bfloat16" and record["mesh"]["tp"] == 4
     with SafetensorsFile.open(tmp_path / "out2" / "model.safetensors") as f:

@@ -368,8 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--output", required=True, help="destination folder (new or empty)")
     convert.add_argument("--output-format", metavar="FORMAT",
                          help="the output's format (default: safetensors for whole tensors, "
-                              "dcp-safetensors for a layout or shard list, torch_dist for "
-                              "--to megatron)")
+                              "dcp-safetensors for a layout or shard list, paddle for "
+                              "--to paddleformers, torch_dist for --to megatron)")
     where = convert.add_mutually_exclusive_group()
     where.add_argument("--layout", help="destination mesh and rules (TOML); without it and "
                                         "without --destination: full, unsharded tensors")

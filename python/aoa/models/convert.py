@@ -62,8 +62,8 @@ from aoa.storage.torch_dist import sharded_object
 RECORD = "aoa-conversion.json"
 HF = "hf"
 #: Each target's own checkpoint format: its default, and the one its stacking and sharded
-#: objects are for.
-OWN_FORMATS = {"megatron": "torch_dist"}
+#: objects are for. PaddleFormers loads Paddle FlexCheckpoint as it is (``load_state_dict``).
+OWN_FORMATS = {"megatron": "torch_dist", "paddleformers": "paddle"}
 #: Files beside the weights that a model folder needs, copied as they are.
 _SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -172,7 +172,7 @@ def run(source: str | Path, output: str | Path, *, target: str, mesh: Mesh | Non
         output_format: str | None = None, threads: int | None = None,
         progress: Callable[[int], None] | None = None, dry_run: bool = False) -> Job:
     """Plan the job, then (unless a dry run) write the checkpoint, side files and record.
-    ``output_format``: the files' format (default: sharded safetensors for a target, Hugging
+    ``output_format``: the files' format (default: the target's own, `OWN_FORMATS`; Hugging
     Face safetensors for `hf`)."""
     output = Path(output)
     if not dry_run:
