@@ -13,12 +13,15 @@ of a separate virtual environment (``--paddle-python``, default /work/paddle-ven
 when it exists; bench/README.md says how to make it). aoa is measured here; if it cannot be
 imported (from the installed package or from ``python/`` of this checkout) only Paddle runs.
 The two alternate run for run (Paddle, aoa, Paddle, aoa, ...) and each keeps its best, so
-a slow spell of a noisy machine weighs on both alike.
+a slow spell of a noisy machine weighs on both alike. ``--baseline DIR`` also measures the aoa
+of another checkout (DIR/python, e.g. ``git worktree add /tmp/main main``) in a subprocess of
+this Python, alternating with the others: a change's before and after, side by side.
 
     python bench/compile_scale.py                     # default sizes
     python bench/compile_scale.py --quick             # (4,8) and (8,16) only
     python bench/compile_scale.py --sizes 4x8,61x256 --repeats 1
     python bench/compile_scale.py --no-paddle         # aoa only
+    python bench/compile_scale.py --no-paddle --baseline /tmp/main   # aoa before/after a change
 
 Per layer the model has (hidden 64, 8 query heads and 4 key/value heads of dim 8, expert
 inner size 32, vocabulary 512)::
@@ -271,13 +274,40 @@ def run_paddle_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-class PaddleWorker:
-    """Paddle's engine timed in a subprocess run by the Paddle environment's python, one run
-    per request: Paddle is imported once and never into this process."""
+def import_aoa_from(checkout: Path) -> object:
+    """aoa from ``checkout``/python, never the installed one (an editable install's finder,
+    which would answer first, is set aside)."""
+    sys.meta_path[:] = [finder for finder in sys.meta_path
+                        if not type(finder).__module__.startswith("_editable")]
+    sys.path.insert(0, str(checkout.resolve() / "python"))
+    import aoa
 
-    def __init__(self, python: str, ffn: str) -> None:
-        command = [python, os.path.abspath(__file__), "--paddle-worker", "--ffn", ffn]
-        print(f"paddle: measuring in a subprocess: {python}", file=sys.stderr)
+    if not Path(aoa.__file__).resolve().is_relative_to(checkout.resolve()):
+        raise SystemExit(f"--aoa-worker: imported {aoa.__file__}, not aoa of {checkout}")
+    return aoa
+
+
+def run_aoa_worker(args: argparse.Namespace) -> int:
+    """``--aoa-worker DIR``: as ``--paddle-worker``, timing the aoa of checkout DIR."""
+    aoa = import_aoa_from(args.aoa_worker)
+    models: dict[tuple[int, int], Model] = {}
+    for line in sys.stdin:
+        layers, experts = parse_sizes(line)[0]
+        if (layers, experts) not in models:
+            models = {(layers, experts): build_model(layers, experts, args.ffn)}
+        result = measure_aoa(aoa, models[(layers, experts)], 1)
+        print(RESULT_TAG + json.dumps({"size": [layers, experts], **result}), flush=True)
+    return 0
+
+
+class Worker:
+    """A library timed in a subprocess, one run per request: Paddle (run by the Paddle
+    environment's python, so Paddle is never imported here) or the aoa of a baseline
+    checkout."""
+
+    def __init__(self, name: str, command: list[str]) -> None:
+        self.name = name
+        print(f"{name}: measuring in a subprocess: {' '.join(command)}", file=sys.stderr)
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True)
 
@@ -291,7 +321,8 @@ class PaddleWorker:
         for line in self.process.stdout:
             if line.startswith(RESULT_TAG):
                 return json.loads(line[len(RESULT_TAG):])
-        print(f"paddle: the worker exited with status {self.process.wait()}", file=sys.stderr)
+        print(f"{self.name}: the worker exited with status {self.process.wait()}",
+              file=sys.stderr)
         return None
 
     def close(self) -> None:
@@ -326,18 +357,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-paddle", action="store_true", help="measure aoa only")
     parser.add_argument("--no-aoa", action="store_true", help="measure Paddle only")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also time the aoa of checkout DIR (its python/ folder), "
+                             "alternating run for run: before and after a change")
     parser.add_argument("--paddle-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--aoa-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.sizes is None:
         args.sizes = list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
 
     if args.paddle_worker:
         return run_paddle_worker(args)
+    if args.aoa_worker:
+        return run_aoa_worker(args)
 
-    worker = None
+    worker = baseline = None
+    if args.baseline is not None:
+        baseline = Worker("baseline", [sys.executable, os.path.abspath(__file__), "--aoa-worker",
+                                       str(args.baseline), "--ffn", args.ffn])
     if not args.no_paddle:
         if args.paddle_python:
-            worker = PaddleWorker(args.paddle_python, args.ffn)
+            worker = Worker("paddle", [args.paddle_python, os.path.abspath(__file__),
+                                       "--paddle-worker", "--ffn", args.ffn])
         else:
             print(f"paddle: skipped (no {PADDLE_PYTHON}; see bench/README.md or pass "
                   "--paddle-python)", file=sys.stderr)
@@ -348,21 +389,26 @@ def main(argv: list[str] | None = None) -> int:
     # The two alternate, run for run, so that a slow spell of a noisy machine falls on both.
     paddle: dict[tuple[int, int], dict] = {}
     ours: dict[tuple[int, int], dict] = {}
+    before: dict[tuple[int, int], dict] = {}
     for layers, experts in args.sizes:
         model = build_model(layers, experts, args.ffn)
-        paddle_runs, aoa_runs = [], []
+        paddle_runs, aoa_runs, baseline_runs = [], [], []
         for _ in range(repeats_for(layers, experts, args.repeats)):
             if worker is not None and (result := worker.measure(layers, experts)):
                 paddle_runs.append(result)
+            if baseline is not None and (result := baseline.measure(layers, experts)):
+                baseline_runs.append(result)
             if aoa is not None:
                 aoa_runs.append(measure_aoa(aoa, model, 1))
-        for name, runs, table in (("paddle", paddle_runs, paddle), ("aoa", aoa_runs, ours)):
+        for name, runs, table in (("paddle", paddle_runs, paddle), ("aoa", aoa_runs, ours),
+                                  ("baseline", baseline_runs, before)):
             if (fastest := best(runs)) is not None:
                 table[(layers, experts)] = fastest
                 print(f"{name}: L={layers} E={experts}: {fastest['seconds']:.3f} s "
                       f"(best of {len(runs)})", file=sys.stderr)
-    if worker is not None:
-        worker.close()
+    for running in (worker, baseline):
+        if running is not None:
+            running.close()
 
     header = (f"{'L':>4} {'E':>5} {'src tensors':>12} {'src shards':>11} {'dst shards':>11} "
               f"{'paddle s':>9} {'aoa s':>8} {'ratio':>7} {'paddle us/LE':>13} "
@@ -394,6 +440,16 @@ def main(argv: list[str] | None = None) -> int:
             same = "same count" if p_entries == a_entries else "counts differ (may be fine)"
             print(f"L={row['layers']} E={row['experts']}: aoa {a_entries:,} copies, "
                   f"Paddle {p_entries:,} entries: {same}")
+    if baseline is not None:
+        print(f"aoa against the baseline {args.baseline} (aoa s / baseline s; below 1: faster)")
+        for row in rows:
+            size = (row["layers"], row["experts"])
+            row["baseline"] = before.get(size)
+            b = before.get(size, {}).get("seconds")
+            a = ours.get(size, {}).get("seconds")
+            ratio = f"{a / b:.2f}" if a is not None and b else "-"
+            print(f"L={size[0]:>3} E={size[1]:>4}: baseline {seconds_text(b)} s, aoa "
+                  f"{seconds_text(a)} s, ratio {ratio}")
     if args.json:
         args.json.write_text(json.dumps({"ffn": args.ffn, "rows": rows}, indent=1))
     return 0

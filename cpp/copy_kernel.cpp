@@ -613,8 +613,9 @@ void walk(const PreparedCopy& copy, size_t axis, const uint8_t* source, uint8_t*
 
 // ---------------------------------------------------------------------------------------
 // Walking a dequantizing copy: its last two axes in tiles within one block on both (one
-// scale per tile, at most kTile x kTile, so a transposed read stays in cache), the axes
-// outside them one index at a time.
+// scale per tile, at most kTile x kTile, so a transposed read stays in cache; where the
+// source's rows run along the destination's, a tile is one row of a block, read straight
+// through), the axes outside them one index at a time.
 
 // `count` elements along one row, all of one block: widened, times `scale`, then the steps.
 void run_scaled_row(const PreparedCopy& copy, const uint8_t* source, int64_t source_stride,
@@ -667,11 +668,15 @@ void walk_scaled(const PreparedCopy& copy, size_t axis, const uint8_t* source,
   }
   if (axis + 2 == axes.size()) {  // rows and columns, in tiles
     const Axis& c = axes[axis + 1];
+    const bool along_rows = std::abs(c.source_stride) <= std::abs(a.source_stride);
+    const int64_t tile_rows = along_rows ? 1 : kTile;
+    const int64_t tile_columns = along_rows ? c.extent : kTile;
     for (int64_t row0 = begin, row_end; row0 < end; row0 = row_end) {
-      row_end = std::min(block_end(scales[axis], row0, end), row0 + kTile);
+      row_end = std::min(block_end(scales[axis], row0, end), row0 + tile_rows);
       const uint8_t* scale_row = scale_of(scales[axis], scale, row0);
       for (int64_t column0 = 0, column_end; column0 < c.extent; column0 = column_end) {
-        column_end = std::min(block_end(scales[axis + 1], column0, c.extent), column0 + kTile);
+        column_end =
+            std::min(block_end(scales[axis + 1], column0, c.extent), column0 + tile_columns);
         const float value = scale_at(copy, scale_of(scales[axis + 1], scale_row, column0));
         for (int64_t row = row0; row < row_end; ++row)
           run_scaled_row(copy, source + row * a.source_stride + column0 * c.source_stride,

@@ -8,7 +8,8 @@ the error it raised::
     w^T -> v
     --- shards
     {"source": {"w": {"shape": [4, 8], "shards": 2, "axis": 1, "dtype": "float32"}},
-     "destination": {...} or null, "reverse": false}
+     "destination": {...} or null, "reverse": false, "strict": false,
+     "record": "mapping text of the source's record (what it stores fused)" or absent}
     --- expected
     w -> w_transpose_tmp, permute='[]'  [case_name.aoa:1:1 via transpose]
     ...
@@ -28,6 +29,7 @@ from pathlib import Path
 from sharding import sharded
 
 from aoa.layout import ShardDesc
+from aoa.record import FusedRecord, fused_tensors
 
 CASE, SECTION = "=== ", "--- "
 SECTIONS = ("mapping", "shards", "expected")
@@ -60,6 +62,15 @@ class Case:
         config = json.loads(self.shards)
         return (layout(config["source"]) or {}, layout(config.get("destination")),
                 bool(config.get("reverse")))
+
+    def strictness(self) -> tuple[bool, FusedRecord | None]:
+        """Whether the case runs strict, and what its source's record says is fused (the
+        shards' "record": the mapping text a model conversion recorded)."""
+        config = json.loads(self.shards)
+        record = config.get("record")
+        fused = (FusedRecord("record.json", fused_tensors({"mapping": record}, "record.json"))
+                 if record is not None else None)
+        return bool(config.get("strict")), fused
 
 
 def read_cases(path: Path) -> list[Case]:

@@ -115,14 +115,15 @@ def test_explain_stops_after_the_last_pass_asked_for(files, capsys):
 
 
 def test_explain_times_every_pass(files, capsys):
-    assert run(files, "explain", "ok.aoa", "--time-passes") == 0
+    assert run(files, "explain", "ok.aoa", "--time-passes", "--destination",
+               str(files / "dst.json")) == 0
     captured = capsys.readouterr()
     assert captured.out == ""
     rows = [line.split() for line in captured.err.splitlines()]
     assert rows[0] == ["pass", "seconds", "share"]
     assert [row[0] for row in rows[1:]] == [
         "parse", "expand_macros", "share_instances", "resolve_chains", "expand_fused",
-        "propagate_shapes", "plan", "total"]
+        "propagate_shapes", "check_mapping", "plan", "total"]
     assert abs(sum(float(row[1]) for row in rows[1:-1]) - float(rows[-1][1])) < 1e-3
 
 

@@ -4,6 +4,7 @@ naming the place, before the work is done (bounds in python/aoa/limits.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,6 +261,55 @@ def test_check_explain_compile_take_a_checkpoint_as_source(tmp_path, capsys, giv
     plan = aoa.Plan.loads(plan_path.read_text())
     assert [(s.key, s.local_shape, s.dtype) for s in plan.sources] == [("w", (4, 6),
                                                                         "float32")]
+
+
+_LEGACY_TORCH = "not a checkpoint aoa reads: it is not a zip archive, as torch.save has " \
+    "written since torch 1.6 (a legacy torch.save file, or not written by torch.save)"
+_UNKNOWN_FILE = "not a checkpoint aoa reads: by its name and first bytes it is no " \
+    "safetensors file, torch.save archive or checkpoint metadata"
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("pytorch_model.bin", b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80", _LEGACY_TORCH),
+    ("garbage.bin", bytes(100), _LEGACY_TORCH),
+    ("weights.dat", b"\x07" * 64, _UNKNOWN_FILE),
+    ("m.aoa", b"w -> v\n", _UNKNOWN_FILE),
+])
+@pytest.mark.parametrize("command", ["check", "explain", "compile", "convert"])
+def test_a_file_no_format_claims_is_refused_by_name(tmp_path, capsys, name, content, message,
+                                                    command):
+    """Not a reader's guess at its bytes (a header of 5088219219985302144 bytes)."""
+    source = tmp_path / name
+    source.write_bytes(content)
+    mapping = tmp_path / "map.aoa"
+    mapping.write_text("w -> v\n")
+    extra = ["--output", str(tmp_path / "out")] if command == "convert" else []
+    code, err = cli(capsys, command, mapping, "--source", source, *extra)
+    assert (code, err.splitlines()[0]) == (1, f"error: {source}: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize(("source", "key"), [
+    ("paddle/single", "norm.weight"), ("paddle/single/0.metadata", "norm.weight"),
+    ("dcp/tp2", "norm.weight"), ("torch_dist/tp2", "norm.weight")])
+def test_check_explain_compile_read_every_format_as_convert_does(tmp_path, capsys, source,
+                                                                   key):
+    mapping = tmp_path / "m.aoa"
+    mapping.write_text(f"{key} -> n\n")
+    path = FIXTURES / source
+    for command in ("check", "explain", "compile"):
+        code, err = cli(capsys, command, mapping, "--source", path, "--lenient")
+        assert (code, err) == (0, "")
+
+
+def test_a_safetensors_file_of_another_name_is_still_read(tmp_path, capsys):
+    save_file({"w": np.zeros((4, 6), np.float32)}, tmp_path / "weights.st")
+    mapping = tmp_path / "m.aoa"
+    mapping.write_text("w^T -> v\n")
+    assert cli(capsys, "check", mapping, "--source", tmp_path / "weights.st")[0] == 0
 
 
 def test_a_missing_source_is_a_usage_error(tmp_path, capsys):

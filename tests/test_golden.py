@@ -27,7 +27,8 @@ def test_every_pass_has_a_fixture_file():
 def test_after_pass(path: Path, case: Case):
     source, destination, reverse = case.config()
     try:
-        ctx = new_context(source, destination, reverse)
+        strict, fused = case.strictness()
+        ctx = new_context(source, destination, reverse, strict=strict, fused=fused)
         ir = run_passes(texts(case.mapping, file=case.file), ctx,
                         through(PASSES[path.stem]))
         printed = to_text(ir)

@@ -23,6 +23,7 @@ w^T -> wt
 a, b -> ab, axis=1
 c -> c1, c2, axis=0
 h -> hf, dtype='float32'
+n -> n
 """
 
 
@@ -239,8 +240,8 @@ def _bfloat16(into):
 
 
 @pytest.mark.parametrize(("change", "message", "hint"), [
-    (_renamed, "'wtt' has a buffer, but the mapping makes no tensor of that name",
-     "Did you mean 'wt'?"),
+    (_renamed, "'wtt' has a buffer, but no statement writes it and the source has no key "
+     "of that name", "Did you mean 'wt', which the mapping makes and no buffer is given for?"),
     (_without_c2, "the mapping makes 'c2', but no buffer is given for it", None),
     (_transposed, "the buffer for 'wt' has shape [3, 5], but the mapping makes [5, 3]", None),
     (_shards_of_a_wider_tensor,
@@ -306,3 +307,92 @@ def test_load_compiles_twice(small, monkeypatch):
     folder, expected = small
     aoa.load(MAPPING, source=folder, into=empty_like(expected), progress=False)
     assert len(calls) == 2
+
+
+# -- one source into several destinations; tied weights ---------------------------------------
+
+
+@pytest.fixture
+def embedding(tmp_path):
+    rng = np.random.default_rng(6)
+    arrays = {"embed": rng.standard_normal((6, 4), dtype=np.float32),
+              "head": rng.standard_normal((6, 4), dtype=np.float32)}
+    return save_folder(tmp_path, arrays), arrays
+
+
+@pytest.mark.parametrize("mapping", ["embed -> embed\nembed -> lm_head",
+                                     "embed -> lm_head\nembed -> embed",
+                                     "embed -> lm_head"],
+                         ids=["kept-first", "kept-last", "kept-by-name"])
+def test_one_source_into_two_destinations_in_any_order(embedding, mapping):
+    folder, arrays = embedding
+    into = {"embed": np.zeros((6, 4), np.float32), "lm_head": np.zeros((6, 4), np.float32),
+            "head": np.zeros((6, 4), np.float32)}
+    aoa.load(mapping + "\nhead -> head", source=folder, into=into, progress=False)
+    assert_same_bytes(into["embed"], arrays["embed"])
+    assert_same_bytes(into["lm_head"], arrays["embed"])
+    assert_same_bytes(into["head"], arrays["head"])
+
+
+def test_buffers_of_one_memory_are_filled_once_as_the_first_key_made(embedding):
+    """Tied weights: one array under two keys. The source holds both tensors (an untied
+    save); the first key the mapping makes decides, as transformers ties after loading."""
+    folder, arrays = embedding
+    shared = np.zeros((6, 4), np.float32)
+    loaded = aoa.load("head -> lm_head\nembed -> embed", source=folder,
+                      into={"embed": shared, "lm_head": shared}, progress=False)
+    assert_same_bytes(shared, arrays["embed"])
+    assert [loaded.plan.destinations[i].key for i in loaded.filled] == ["embed"]
+    assert loaded.notes[0] == ("note: the buffer for 'lm_head' is the same memory as the one "
+                               "for 'embed' (tied weights): filled once, as 'embed'")
+
+
+def test_a_tied_key_the_mapping_does_not_make_is_filled_through_its_twin(embedding):
+    folder, arrays = embedding
+    shared = np.zeros((6, 4), np.float32)
+    aoa.load("embed -> embed\nhead -> _", source=folder,
+             into={"lm_head": shared, "embed": shared}, progress=False)
+    assert_same_bytes(shared, arrays["embed"])
+
+
+def test_buffers_of_one_memory_for_different_boxes_are_refused(embedding):
+    folder, _ = embedding
+    half = np.zeros((3, 4), np.float32)
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load("embed -> lm_head\nhead -> _", source=folder, progress=False,
+                 into={"embed": aoa.Shard(half, (6, 4), (0, 0)),
+                       "lm_head": aoa.Shard(half, (6, 4), (3, 0))})
+    assert error.value.message == ("the buffers for 'embed' and 'lm_head' are the same "
+                                   "memory, but stand for different boxes of their tensors")
+
+
+def test_tied_buffers_that_nothing_fills_are_refused(embedding):
+    folder, _ = embedding
+    shared = np.zeros((6, 4), np.float32)
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load("embed -> _\nhead -> _", source=folder, progress=False,
+                 into={"x": shared, "y": shared})
+    assert error.value.message == (
+        "the buffers for 'x' and 'y' are the same memory (tied weights), but the mapping "
+        "makes none of them, and the source has no key of those names")
+
+
+def test_tied_qwen2_embeddings_load_into_the_state_dict(tmp_path):
+    """transformers saves a tied model's embedding once; `model.state_dict()` holds it under
+    both names, as one tensor. The loaded model gives the saved model's logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    saved = transformers.Qwen2ForCausalLM(config).eval()
+    saved.save_pretrained(tmp_path, safe_serialization=True)
+    tokens = torch.randint(0, 64, (1, 7))
+    for mapping in ([], "model.embed_tokens.weight -> lm_head.weight"):
+        fresh = transformers.Qwen2ForCausalLM(config).eval()
+        state = fresh.state_dict()
+        assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+        aoa.load(mapping, source=tmp_path, into=state, progress=False)
+        with torch.no_grad():
+            assert torch.equal(fresh(tokens).logits, saved(tokens).logits)

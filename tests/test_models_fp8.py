@@ -60,7 +60,8 @@ def fp8_folder(folder: Path, *, config: dict = CONFIG, drop: str | None = None
     family = next(f for f in FAMILIES if f.name == "deepseek_v3")
     rng = np.random.default_rng(0)
     tensors: dict[str, np.ndarray] = {}
-    for key, spec in family.tensors(Config(PLAIN)).items():
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    for key, spec in family.tensors(Config(plain)).items():
         if is_fp8(key):
             stored = rng.integers(0, 256, spec.shape, dtype=np.uint8)
             stored[(stored & 0x7F) == 0x7F] = 0x38  # no NaN
@@ -186,6 +187,26 @@ def test_kept_in_fp8_with_scales_beside_and_back(tmp_path, capsys):
         for key, value in tensors.items():
             assert f.array(key).dtype == value.dtype, key
             assert f.array(key).tobytes() == value.tobytes(), key
+
+
+def test_dequantized_to_megatron_and_back(tmp_path, capsys):
+    """The same dequantization for another target; kept in fp8 Megatron's fused gate and up
+    (linear_fc1) are refused, their scales could not follow."""
+    tensors = fp8_folder(tmp_path / "hf", config={**CONFIG, "num_nextn_predict_layers": 0})
+    convert(tmp_path / "hf", tmp_path / "mg", "--to", "megatron", "--tp", "2", "--dtype",
+            "bfloat16", capsys=capsys)
+    convert(tmp_path / "mg", tmp_path / "back", "--to", "hf", capsys=capsys)
+    with SafetensorsFile.open(tmp_path / "back" / "model.safetensors") as f:
+        assert set(f.tensors) == {k for k in tensors if not k.endswith("_scale_inv")}
+        for key in f.tensors:
+            want = dequantized(tensors, key) if is_fp8(key) else tensors[key]
+            assert f.array(key).tobytes() == want.tobytes(), key
+    status, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                      str(tmp_path / "kept"), "--to", "megatron", capsys=capsys)
+    assert status == 1
+    assert ("error: 'model.layers.$LAYER_ID.mlp.gate_proj.weight' is stored in fp8 and goes "
+            "into the fused 'decoder.layers.$LAYER_ID.mlp.linear_fc1.weight', which its scales "
+            "cannot follow\n  hint: Dequantize with --dtype bfloat16.") in err
 
 
 def test_a_folder_kept_in_fp8_dequantizes_when_laid_out_again(tmp_path, capsys):

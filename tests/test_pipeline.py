@@ -23,7 +23,7 @@ def test_each_pass_is_named_after_its_module():
     assert [p.NAME for p in PIPELINE] == [p.__name__.rpartition(".")[2] for p in PIPELINE]
     assert [p.NAME for p in PIPELINE] == ["parse", "expand_macros", "share_instances",
                                           "resolve_chains", "expand_fused",
-                                          "propagate_shapes", "plan"]
+                                          "propagate_shapes", "check_mapping", "plan"]
 
 
 def test_the_readme_lists_every_pass_in_order():
@@ -41,7 +41,7 @@ def test_the_hook_sees_each_pass_and_the_form_it_leaves():
     assert seen == [("parse", Program, True), ("expand_macros", Program, True),
                     ("share_instances", Program, True), ("resolve_chains", ChainedProgram, True),
                     ("expand_fused", Program, True), ("propagate_shapes", SymbolicTensors, True),
-                    ("plan", PlannedProgram, True)]
+                    ("check_mapping", SymbolicTensors, True), ("plan", PlannedProgram, True)]
     assert compilation.planned is not None and compilation.plan() is compilation.planned
     assert [str(s) for s in compilation.program.statements] == [
         "w -> w_transpose_tmp, permute='[]'", "w_transpose_tmp -> t",

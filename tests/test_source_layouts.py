@@ -3,11 +3,16 @@ alike planned alike (the per-layout memo must not mix keys up)."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 from sharding import sharded
 
 import aoa
+from aoa.cli import main
+from aoa.compat.paddle import AOAEngine
 from aoa.runtime import reference
 
 
@@ -23,18 +28,66 @@ def test_replicated_source_shards_are_read_once_from_the_first_listed():
     assert [o.tobytes() for o in out] == [w[:, i:i + 2].copy().tobytes() for i in (0, 2, 4)]
 
 
-@pytest.mark.parametrize("shards, why", [
-    ([((0, 0), (2, 6)), ((3, 0), (1, 6))], "gap"),
-    ([((0, 0), (3, 6)), ((2, 0), (2, 6))], "overlap"),
-    ([((0, 0), (2, 6)), ((1, 0), (2, 6))], "overlap and gap"),  # as many elements as [4, 6]
+NOT_TILED = [
+    ([((0, 0), (2, 6)), ((3, 0), (1, 6))],
+     "the source shards of 'w' cover 18 of the 24 elements of its global shape [4, 6]"),
+    ([((0, 0), (3, 6)), ((2, 0), (2, 6))],
+     "the source shards of 'w' overlap: [0:3, 0:6] and [2:4, 0:6] share elements of its "
+     "global shape [4, 6]"),
+    # overlapping and leaving a gap, with the volume of the whole: row 1 twice, row 3 never
+    ([((0, 0), (2, 6)), ((1, 0), (2, 6))],
+     "the source shards of 'w' overlap: [0:2, 0:6] and [1:3, 0:6] share elements of its "
+     "global shape [4, 6]"),
+    ([((0, 0), (2, 3)), ((2, 3), (2, 3)), ((1, 1), (2, 3)), ((0, 0), (2, 3))],
+     "the source shards of 'w' overlap: [0:2, 0:3] and [1:3, 1:4] share elements of its "
+     "global shape [4, 6]"),
+]
+
+
+def _not_tiled(shards) -> dict[str, list[aoa.ShardDesc]]:
+    return {"w": [aoa.ShardDesc("w", local, (4, 6), offset, "float32")
+                  for offset, local in shards]}
+
+
+@pytest.mark.parametrize("shards, message", NOT_TILED)
+def test_source_shards_that_do_not_tile_are_refused(shards, message):
+    with pytest.raises(aoa.PlanError) as error:
+        aoa.compile("w -> v", _not_tiled(shards), {"v": sharded("v", (4, 6), 1, 0)})
+    assert str(error.value).splitlines()[0] == f"error: {message}"
+
+
+@pytest.mark.parametrize("shards, message", NOT_TILED)
+def test_the_paddle_engine_and_a_full_export_refuse_them_too(shards, message):
+    """No destination (nothing planned) and the drop-in: the shards are checked as they
+    come in, not when a plan reads them."""
+    with pytest.raises(aoa.PlanError, match=re.escape(message)):
+        aoa.compile("w -> v", _not_tiled(shards))
+    with pytest.raises(aoa.PlanError, match=re.escape(message)):
+        AOAEngine({"aoa_statements": ["w -> v"]}, _not_tiled(shards))
+
+
+def test_shard_info_json_with_overlapping_shards_is_refused(tmp_path, capsys):
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps({"w": [s.to_json() for s in _not_tiled(NOT_TILED[2][0])["w"]]}))
+    mapping = tmp_path / "m.aoa"
+    mapping.write_text("w -> v\n")
+    assert main(["check", str(mapping), "--source", str(source)]) == 1
+    assert capsys.readouterr().err.splitlines()[0] == f"error: {NOT_TILED[2][1]}"
+
+
+@pytest.mark.parametrize("other, message", [
+    (aoa.ShardDesc("w", (2, 6), (5, 6), (2, 0), "float32"),
+     "the source shards of 'w' describe different tensors: [0:2, 0:6] of [4, 6] float32 and "
+     "[2:4, 0:6] of [5, 6] float32"),
+    (aoa.ShardDesc("w", (2, 6), (4, 6), (2, 0), "bfloat16"),
+     "the source shards of 'w' describe different tensors: [0:2, 0:6] of [4, 6] float32 and "
+     "[2:4, 0:6] of [4, 6] bfloat16"),
 ])
-def test_source_shards_that_do_not_tile_are_refused(shards, why):
-    source = {"w": [aoa.ShardDesc("w", local, (4, 6), offset, "float32")
-                    for offset, local in shards]}
-    with pytest.raises(aoa.AoaError) as error:
-        aoa.compile("w -> v", source, {"v": sharded("v", (4, 6), 1, 0)})
-    assert str(error.value).splitlines()[0].endswith(
-        "the shards of source key 'w' do not tile its global shape [4, 6] exactly once")
+def test_shards_of_one_key_describe_one_tensor(other, message):
+    source = {"w": [aoa.ShardDesc("w", (2, 6), (4, 6), (0, 0), "float32"), other]}
+    with pytest.raises(aoa.PlanError) as error:
+        aoa.compile("w -> v", source)
+    assert str(error.value).splitlines()[0] == f"error: {message}"
 
 
 def test_keys_laid_out_alike_get_their_own_sources():

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,8 @@ from aoa.errors import AoaError, UsageError
 from aoa.storage.formats import DEFAULT_MAX_FILE_BYTES, FORMAT_NAMES
 
 if TYPE_CHECKING:
+    from aoa.layout import ShardDesc
+    from aoa.mapping import MappingText
     from aoa.passes import Pass
     from aoa.passes.context import CompileContext
     from aoa.pipeline import Compilation
@@ -44,16 +46,39 @@ def _stop(signum: int, frame: object) -> None:
     raise Interrupted(signum)
 
 
-def _compilation(args, passes: Sequence[Pass] | None = None) -> Compilation:
-    from aoa.mapping import read_mapping, read_shard_info, read_source_shards
-    from aoa.passes import PIPELINE
-    from aoa.pipeline import analyze
+def _program(args) -> tuple[MappingText, CompileContext]:
+    """The mapping and the context of `compile`, `explain` and `check`, as `convert` would
+    compile them: the source's shards and record, the destination's shards (listed, or
+    derived through a mesh layout), strict unless --lenient."""
+    from aoa.mapping import read_mapping, read_shard_info, read_source
+    from aoa.pipeline import new_context
+    from aoa.record import source_record
 
-    statements, reverse, file = read_mapping(args.mapping)
-    return analyze(statements, read_source_shards(args.source, args.source_format),
-                   read_shard_info(args.destination, "destination"),
-                   reverse=reverse or args.reverse, file=file,
-                   passes=PIPELINE if passes is None else passes)
+    mapping = read_mapping(args.mapping)
+    mapping = mapping._replace(reverse=mapping.reverse or args.reverse)
+    strict = not args.lenient
+    source, checkpoint = read_source(args.source, args.source_format)
+    fused = source_record(checkpoint) if checkpoint is not None else None
+    destination: Mapping[str, Sequence[ShardDesc]] | None = read_shard_info(
+        args.destination, "destination")
+    if args.layout is not None:
+        from aoa.jobs.convert import destination_shards  # numpy, only for a layout
+        from aoa.mesh_layout import read_mesh_layout
+
+        destination, _ = destination_shards(mapping, source,
+                                            layout=read_mesh_layout(args.layout),
+                                            destination=destination, strict=strict)
+    return mapping, new_context(source, destination, mapping.reverse, strict=strict,
+                                fused=fused)
+
+
+def _compilation(args, passes: Sequence[Pass] | None = None) -> Compilation:
+    from aoa.passes import PIPELINE
+    from aoa.pipeline import compile_in
+
+    mapping, ctx = _program(args)
+    return compile_in(ctx, mapping.statements, file=mapping.file,
+                      passes=PIPELINE if passes is None else passes)
 
 
 def cmd_compile(args) -> int:
@@ -95,10 +120,9 @@ def cmd_explain(args) -> int:
 def _explain_passes(args) -> int:
     """The pipeline as `aoa compile` runs it, printing the IR after the passes asked for
     (up to the last of them, or all with --time-passes or --plan) and timing each."""
-    from aoa.mapping import read_mapping, read_shard_info, read_source_shards
     from aoa.passes import PIPELINE, through
     from aoa.passes.parse import texts
-    from aoa.pipeline import new_context, run_passes
+    from aoa.pipeline import run_passes
     from aoa.printer import Printer
 
     printer = Printer(sys.stdout)
@@ -116,12 +140,9 @@ def _explain_passes(args) -> int:
             printer.line(f"# after {name}")
             printer.print_ir(ir)
 
-    statements, reverse, file = read_mapping(args.mapping)
-    ctx = new_context(read_source_shards(args.source, args.source_format),
-                      read_shard_info(args.destination, "destination"),
-                      reverse or args.reverse)
+    mapping, ctx = _program(args)
     try:
-        run_passes(texts(statements, file=file), ctx, passes, after)
+        run_passes(texts(mapping.statements, file=mapping.file), ctx, passes, after)
     finally:
         if args.time_passes:
             _print_times(times)
@@ -170,7 +191,8 @@ def cmd_convert(args) -> int:
     max_file_bytes = None if args.max_file_size is None else int(args.max_file_size * 1e9)
     with open_source(args.source, args.source_format) as checkpoint:
         conversion = prepare(mapping, checkpoint, layout=layout, destination=destination,
-                             output_format=args.output_format, max_file_bytes=max_file_bytes)
+                             output_format=args.output_format, max_file_bytes=max_file_bytes,
+                             strict=not args.lenient)
         for note in conversion.notes:
             print(note, file=sys.stderr)
         if args.dry_run:
@@ -239,7 +261,8 @@ def cmd_convert_model(args) -> int:
         job = model_convert.plan_job(args.source, checkpoint, target=args.to,
                                      mesh=_mesh(args), dtype=args.dtype,
                                      mapping_file=args.mapping_file,
-                                     output_format=args.output_format, options=_options(args))
+                                     output_format=args.output_format, options=_options(args),
+                                     strict=not args.lenient)
         if args.dry_run:
             print(job.text)
             print(job.conversion.describe())
@@ -295,10 +318,23 @@ def _add_program_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source-format", metavar="FORMAT",
                         help="the source checkpoint's format (default: detected from its "
                              "contents): " + ", ".join(FORMAT_NAMES))
-    parser.add_argument("--destination", help="destination shard info (JSON); without it "
-                                              "the outputs are derived, as in a full export")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--destination", help="destination shard info (JSON); without it "
+                                             "the outputs are derived, as in a full export")
+    where.add_argument("--layout", help="destination mesh and rules (TOML), as convert "
+                                        "takes them")
     parser.add_argument("--reverse", action="store_true",
                         help="run the program backwards (Paddle's aoa_config_reverse)")
+    _add_lenient(parser)
+
+
+def _add_lenient(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lenient", action="store_true",
+                        help="run what Paddle runs, with notes instead of errors: a statement "
+                             "that expands to nothing, a source key passed on unmentioned "
+                             "while others are renamed, a layout rule that decides nothing, a "
+                             "fused tensor (as the source's record says) re-laid without its "
+                             "macro, a fused_qkv group split between ranks")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
@@ -381,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"GB per Hugging Face file (default "
                               f"{DEFAULT_MAX_FILE_BYTES / 1e9:g})")
     convert.add_argument("--reverse", action="store_true", help="run the program backwards")
+    _add_lenient(convert)
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.add_argument("--rank", type=int, help="with --world-size: this process writes "
                          "its share of the files, rank 0 the index once all are done (under "

@@ -18,6 +18,9 @@ FLAG_ATTRIBUTES = frozenset({"fused_ffn", "fused_qkv_old", "fused_qkv", "fused_i
 #: grouped layout of `fused_qkv` is the same for any shard count; `fused_in_proj`'s parts
 #: may differ in size).
 PER_SHARD_FLAGS = frozenset({"fused_ffn", "fused_qkv_old"})
+#: The fused macros whose fused tensor is laid out by its shard count: stored so, it keeps
+#: its meaning at another shard count only when its macro lays it out again.
+SHARD_COUNT_FLAGS = PER_SHARD_FLAGS | {"fused_in_proj"}
 #: Attributes whose value is a key written bare (PaddleFormers' `tp_probe_key=model.x.w`).
 NAME_ATTRIBUTES = frozenset({"tp_probe_key"})
 

@@ -13,7 +13,7 @@ from math import prod
 from typing import TYPE_CHECKING, Protocol
 
 from aoa.dtypes import ITEMSIZES, is_known, itemsize
-from aoa.errors import UsageError, quote
+from aoa.errors import PlanError, UsageError, quote
 from aoa.inputs import is_text
 from aoa.limits import shape_problem
 
@@ -216,6 +216,67 @@ def distinct_boxes(shards: Sequence[_Box]) -> list[int]:
 def elements(shards: Iterable[_Box]) -> int:
     """Elements the boxes hold together, counted box by box (overlaps counted twice)."""
     return sum(prod(shard.local_shape) for shard in shards)
+
+
+@dataclass(frozen=True)
+class TilingFault:
+    """How distinct boxes fail to tile a shape: two that share an element (positions
+    ``overlap``), or, when none do, elements that none holds (``covered`` < ``total``)."""
+
+    overlap: tuple[int, int] | None
+    covered: int
+    total: int
+
+
+def tiling_fault(shape: Sequence[int], boxes: Sequence[_Box]) -> TilingFault | None:
+    """None when ``boxes`` (replicas already set aside) hold every element of ``shape``
+    exactly once; else what is wrong. Exact: no two boxes share an element, and together
+    they hold as many elements as the shape has (so, none being outside it, all of them).
+    Counting elements alone would pass two overlapping boxes that leave a gap."""
+    solid = [position for position, box in enumerate(boxes) if prod(box.local_shape)]
+    pair = overlapping_pair([boxes[position] for position in solid])
+    total = prod(shape)
+    if pair is not None:
+        return TilingFault((solid[pair[0]], solid[pair[1]]), 0, total)
+    covered = elements(boxes)
+    return None if covered == total else TilingFault(None, covered, total)
+
+
+def check_tiling(key: str, shards: Sequence[ShardDesc], what: str = "source") -> None:
+    """The shards listed for ``key`` describe one tensor (one global shape and dtype), and
+    its distinct boxes (a replica counts once) tile it exactly: a PlanError otherwise.
+
+    Every list of source shards is checked here, whatever brought it (`aoa.compile`,
+    shard-info JSON, the Paddle drop-in); checkpoints read from disk are checked by
+    `aoa.storage.chunks` with the same arithmetic, naming their files."""
+    first = shards[0]
+    for shard in shards[1:]:
+        if shard.global_shape != first.global_shape or shard.dtype != first.dtype:
+            raise PlanError(
+                f"the {what} shards of '{key}' describe different tensors: "
+                f"{_described(first)} and {_described(shard)}",
+                hint="Every shard of a key has the tensor's global shape and dtype.")
+    distinct = [shards[position] for position in distinct_boxes(shards)]
+    fault = tiling_fault(first.global_shape, distinct)
+    if fault is None:
+        return
+    hint = "List every shard of the tensor once, with its global offset."
+    if fault.overlap is not None:
+        one, other = (distinct[position] for position in fault.overlap)
+        raise PlanError(f"the {what} shards of '{key}' overlap: [{_region(one)}] and "
+                         f"[{_region(other)}] share elements of its global shape "
+                         f"{list(first.global_shape)}", hint=hint)
+    raise PlanError(f"the {what} shards of '{key}' cover {fault.covered} of the "
+                     f"{fault.total} elements of its global shape "
+                     f"{list(first.global_shape)}", hint=hint)
+
+
+def _region(shard: ShardDesc) -> str:
+    return ", ".join(f"{o}:{o + n}" for o, n in zip(shard.global_offset, shard.local_shape))
+
+
+def _described(shard: ShardDesc) -> str:
+    return f"[{_region(shard)}] of {list(shard.global_shape)} {shard.dtype or '(no dtype)'}"
 
 
 def overlapping_pair(shards: Sequence[_Box]) -> tuple[int, int] | None:

@@ -74,17 +74,18 @@ def read_shard_info(path: str | os.PathLike[str] | None, what: str
         raise UsageError(f"{path}: {error.message}", hint=error.hint) from None
 
 
-def read_source_shards(path: str | os.PathLike[str], format: str | None = None
-                       ) -> dict[str, list[ShardDesc]]:
+def read_source(path: str | os.PathLike[str], format: str | None = None
+                ) -> tuple[dict[str, list[ShardDesc]], Path | None]:
     """The source shards of `--source`: shard-info JSON, or a checkpoint of any format aoa
-    reads (a folder, a file, a Hugging Face index), opened for its shard descriptions."""
+    reads (a folder, a file, a Hugging Face index), opened for its shard descriptions; and
+    the checkpoint's path (None for shard-info JSON), where a record may lie beside it."""
     from aoa.storage.formats import open_source
 
     path = Path(path)
     if format is None and path.suffix == ".json" and not path.name.endswith(".index.json") \
             and not path.is_dir():
-        return read_shard_info(path, "source") or {}
+        return read_shard_info(path, "source") or {}, None
     if not path.exists():
         raise UsageError(f"cannot read source {path}: no such file or folder")
     with open_source(path, format) as checkpoint:
-        return checkpoint.shards
+        return checkpoint.shards, checkpoint.path

@@ -38,6 +38,7 @@ Optimizer states (`.moment1_0`, ...) follow their parameter's rule; beta pows ar
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import itertools
 import math
@@ -141,15 +142,21 @@ class MeshLayout:
     def rule_for(self, key: str) -> Rule | None:
         return next((rule for rule in self.rules if fnmatch.fnmatchcase(key, rule.match)), None)
 
-    def shards(self, outputs: Mapping[str, tuple[tuple[int, ...], str | None]]) -> MeshShards:
-        """The shards of outputs given as key -> (shape, dtype), by key and by rank."""
+    def shards(self, outputs: Mapping[str, tuple[tuple[int, ...], str | None]], *,
+               strict: bool = False) -> MeshShards:
+        """The shards of outputs given as key -> (shape, dtype), by key and by rank.
+        ``strict``: a rule that decides no key is an error (its tensors, misspelt, would be
+        replicated on every rank without a word)."""
         by_key: dict[str, list[ShardDesc]] = {}
         by_rank: list[list[int]] = [[] for _ in range(self.ranks)]
         count = 0
+        decided: set[int] = set()
         for key, (shape, dtype) in outputs.items():
             # Optimizer states are sharded like their parameter; beta pows are replicated.
             model_key, suffix = split_optimizer_suffix(key)
             rule = None if suffix in BETA_POW_SUFFIXES else self.rule_for(model_key)
+            if rule is not None:
+                decided.add(id(rule))
             axes = rule.axes if rule else {}
             owners = {name: place.position(model_key, self.mesh[name])
                       for name, place in (rule.places if rule else {}).items()}
@@ -189,7 +196,29 @@ class MeshLayout:
                                             dtype))
                     by_rank[rank].append(count)
                     count += 1
+        if strict:
+            self._check_rules_decide(decided, outputs)
         return MeshShards(by_key, by_rank)
+
+    def _check_rules_decide(self, decided: set[int], outputs: Mapping[str, object]) -> None:
+        for number, rule in enumerate(self.rules, 1):
+            if id(rule) in decided:
+                continue
+            keys = [split_optimizer_suffix(key)[0] for key in outputs]
+            matched = [key for key in keys if fnmatch.fnmatchcase(key, rule.match)]
+            if matched:
+                why = (f"matches only keys an earlier rule decides (first match wins), such "
+                       f"as '{matched[0]}'")
+                hint = "Move it before the rule that takes its keys, or delete it."
+            else:
+                why = "matches no tensor the mapping makes"
+                close = difflib.get_close_matches(rule.match, keys, n=1)
+                like = f" (a key like it: '{close[0]}')" if close else ""
+                hint = (f"Check the pattern against the destination keys{like}; a tensor no "
+                        "rule decides is replicated on every rank.")
+            raise UsageError(f"{self.source}: rule {number} (match = \"{rule.match}\") "
+                             f"{why}", hint=hint + " --lenient (strict=False) lets such a "
+                             "rule decide nothing.")
 
 
 def read_mesh_layout(path: str | Path) -> MeshLayout:

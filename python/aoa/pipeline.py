@@ -12,16 +12,19 @@ import gc
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aoa.ir import Program
 from aoa.layout import BETA_POW_SUFFIXES, OPTIMIZER_SUFFIXES, ShardDesc, normalize_shard_info
 from aoa.passes import PIPELINE, Pass
 from aoa.passes.context import CompileContext
 from aoa.passes.parse import texts
-from aoa.passes.plan import PlannedProgram, Planner, destination_shards
+from aoa.passes.plan import PlannedProgram, Planner, destination_shards, output_dtype
 from aoa.plan import Plan
 from aoa.symbolic import SymbolicTensors, dtype_after
+
+if TYPE_CHECKING:
+    from aoa.record import FusedRecord
 
 AfterPass = Callable[[str, Any, CompileContext, float], None]
 
@@ -61,6 +64,21 @@ class Compilation:
         destination: what a mapping makes on its own."""
         made = {shard.key: shard for shard in self.destination_shards()}
         return {key: made.get(key) for key in self.tensors.outputs}
+
+    def made_as(self, key: str) -> ShardDesc | None:
+        """What ``key`` gets, whole, when a destination names it (spec 6.6): the tensor a
+        statement last wrote to that name, else the source key of that name; None for a key
+        declared with `_ -> key`. A KeyError when it is neither. Asked of a compile without
+        a destination, where no instance was set aside, so every name written is bound."""
+        tensors = self.tensors
+        tensor = tensors.bound.get(key)
+        if tensor is None:
+            if key in tensors.added:
+                return None
+            tensor = tensors.inputs.get(key)
+            if tensor is None:
+                raise KeyError(key)
+        return ShardDesc.full(key, tensor.shape, output_dtype(key, tensor))
 
     def derived_outputs(self) -> dict[str, tuple[tuple[int, ...], str | None]]:
         """Key -> (global shape, dtype) of every output the program makes when no
@@ -103,12 +121,13 @@ def _collector_paused():
             gc.enable()
 
 
-def new_context(source: Mapping, destination: Mapping | None = None, reverse: bool = False
-                ) -> CompileContext:
+def new_context(source: Mapping, destination: Mapping | None = None, reverse: bool = False,
+                *, strict: bool = False, fused: FusedRecord | None = None) -> CompileContext:
     """The context of one compile: the shard descriptions (ShardDesc, Paddle's descriptors
-    or JSON dicts), checked, and the direction."""
+    or JSON dicts), checked, the direction, and how strict to be (`CompileContext`)."""
     return CompileContext(normalize_shard_info(source, "source") or {},
-                          normalize_shard_info(destination, "destination"), reverse)
+                          normalize_shard_info(destination, "destination"), reverse,
+                          strict=strict, fused=fused)
 
 
 def run_passes(ir: Any, ctx: CompileContext, passes: Sequence[Pass],
@@ -125,15 +144,23 @@ def run_passes(ir: Any, ctx: CompileContext, passes: Sequence[Pass],
 
 def analyze(statements: str | Sequence[str], source: Mapping, destination: Mapping | None = None,
             *, reverse: bool = False, file: str | None = None,
-            passes: Sequence[Pass] = PIPELINE, after_pass: AfterPass | None = None
-            ) -> Compilation:
+            passes: Sequence[Pass] = PIPELINE, after_pass: AfterPass | None = None,
+            strict: bool = False, fused: FusedRecord | None = None) -> Compilation:
     """Run ``passes`` (by default all, planning every destination shard) over the program.
 
     ``passes`` may leave out share_instances (every template instance expanded in full) and
-    stop after propagate_shapes (nothing planned until asked); they start with parse."""
+    stop after propagate_shapes (nothing planned until asked); they start with parse.
+    ``strict`` and ``fused``: see `CompileContext`."""
     with _collector_paused():
-        ctx = new_context(source, destination, reverse)
-        result = run_passes(texts(statements, file=file), ctx, passes, after_pass)
+        ctx = new_context(source, destination, reverse, strict=strict, fused=fused)
+    return compile_in(ctx, statements, file=file, passes=passes, after_pass=after_pass)
+
+
+def compile_in(ctx: CompileContext, statements: str | Sequence[str], *, file: str | None = None,
+               passes: Sequence[Pass] = PIPELINE, after_pass: AfterPass | None = None
+               ) -> Compilation:
+    """`analyze` in a context made already (`new_context`)."""
+    result = run_passes(texts(statements, file=file), ctx, passes, after_pass)
     if isinstance(result, PlannedProgram):
         return Compilation(ctx, result.tensors, result.plan)
     if not isinstance(result, SymbolicTensors):
@@ -144,11 +171,14 @@ def analyze(statements: str | Sequence[str], source: Mapping, destination: Mappi
 
 def compile(statements: str | Sequence[str], source: Mapping[str, Sequence[ShardDesc]],
             destination: Mapping[str, Sequence[ShardDesc]] | None = None, *,
-            reverse: bool = False, file: str | None = None) -> Plan:
+            reverse: bool = False, file: str | None = None, strict: bool = False) -> Plan:
     """Compile AOA statements into a validated Plan.
 
     ``statements`` is the text of a `.aoa` file or Paddle's list of statement strings;
     ``source`` and ``destination`` map keys to shard descriptions (``destination=None``:
     derive the outputs, as Paddle's full export does); ``reverse`` runs the program
-    backwards (Paddle's ``aoa_config_reverse``)."""
-    return analyze(statements, source, destination, reverse=reverse, file=file).plan()
+    backwards (Paddle's ``aoa_config_reverse``). ``strict`` refuses likely mistakes that
+    Paddle runs (`CompileContext`); the compiler alone keeps Paddle's meaning by default,
+    the jobs (`aoa.load`, `aoa convert`) are strict by default."""
+    return analyze(statements, source, destination, reverse=reverse, file=file,
+                   strict=strict).plan()

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -35,15 +36,20 @@ SOURCES = {
     "torch_dist/tp2": "torch_dist", "torch_dist/fsdp4": "torch_dist",
 }
 #: Layouts that split the fixtures' tensors: rows over 2 ranks (1-D tensors too), and a
-#: 2 x 2 grid over 4 ranks (rows by dp, columns by tp) of the 2-D ones.
+#: 2 x 2 grid over 4 ranks (rows by dp, columns by tp) of the 2-D ones; as (mesh, the keys
+#: ruled, the rule's splits). A fixture's layout has the rules of the keys it holds (a rule
+#: that decides nothing is an error).
 _MATRICES = ("qkv.weight", "down.weight", "embed.weight", "mlp.weight", "w", "v")
 LAYOUTS = {
-    "rows2": "[mesh]\ntp = 2\n" + "".join(
-        f'\n[[rule]]\nmatch = "{key}"\ntp = 0\n'
-        for key in (*_MATRICES, "bias", "norm.weight")),
-    "grid4": "[mesh]\ndp = 2\ntp = 2\n" + "".join(
-        f'\n[[rule]]\nmatch = "{key}"\ndp = 0\ntp = 1\n' for key in _MATRICES),
+    "rows2": ("tp = 2", (*_MATRICES, "bias", "norm.weight"), "tp = 0"),
+    "grid4": ("dp = 2\ntp = 2", _MATRICES, "dp = 0\ntp = 1"),
 }
+
+
+def layout_text(name: str, keys: Collection[str]) -> str:
+    mesh, ruled, splits = LAYOUTS[name]
+    return f"[mesh]\n{mesh}\n" + "".join(f'\n[[rule]]\nmatch = "{key}"\n{splits}\n'
+                                         for key in ruled if key in keys)
 
 
 def expected(fixture: str) -> dict[str, bytes]:
@@ -94,7 +100,8 @@ def convert(tmp_path: Path, source: Path, output_format: str, layout: str | None
     args = ["convert", str(tmp_path / "identity.aoa"), "--source", str(source),
             "--output", str(out), "--output-format", output_format, "--quiet"]
     if layout is not None:
-        (tmp_path / f"{layout}.toml").write_text(LAYOUTS[layout])
+        with open_source(source) as checkpoint:
+            (tmp_path / f"{layout}.toml").write_text(layout_text(layout, checkpoint.shards))
         args += ["--layout", str(tmp_path / f"{layout}.toml")]
     assert main(args) == 0
     return out

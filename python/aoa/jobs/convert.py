@@ -88,17 +88,19 @@ class Conversion:
 
 
 def destination_shards(mapping: MappingText, source: ShardInfo, *,
-                       layout: MeshLayout | None = None, destination: ShardInfo | None = None
+                       layout: MeshLayout | None = None, destination: ShardInfo | None = None,
+                       strict: bool = True
                        ) -> tuple[ShardInfo | None, list[list[int]] | None]:
     """The destination shards by key (None: derive whole outputs) and, when there are
     ranks, each rank's shards as positions in the key-by-key listing.
 
     A mesh layout splits what the program makes (compiled once without a destination for
-    that); with a shard list, rank i holds the i-th listed shard of each key."""
+    that; ``strict``: a rule that decides no tensor is an error); with a shard list, rank i
+    holds the i-th listed shard of each key."""
     if layout is not None and destination is not None:
         raise UsageError("give a layout or a destination shard list, not both")
     if layout is not None:
-        shards = layout.shards(derived_outputs(mapping, source))
+        shards = layout.shards(derived_outputs(mapping, source, strict=strict), strict=strict)
         return shards.by_key, shards.ranks
     if destination is None:
         return None, None
@@ -117,7 +119,8 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
             layout: MeshLayout | None = None, destination: ShardInfo | None = None,
             output_format: str | None = None, max_file_bytes: int | None = None,
             stacking: Sequence[Stacking] = (), objects: Mapping[str, bytes] | None = None,
-            quantized: Mapping[str, Quantized] | None = None) -> Conversion:
+            quantized: Mapping[str, Quantized] | None = None, strict: bool = True
+            ) -> Conversion:
     """Compile and plan; decide the destination shards and the files that hold them.
 
     No layout and no destination: full, unsharded tensors (``safetensors``, Hugging Face
@@ -127,15 +130,16 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
     ``objects``: write these items that are not tensors (default: carry the source's where
     the format holds them). ``quantized``: source keys stored with block scales
     (`aoa.block_scales`), dequantized where the mapping casts them; the mapping does not see
-    their scales."""
+    their scales. ``strict`` (default) refuses likely mistakes in the mapping and the
+    layout; False keeps Paddle's meaning (`aoa.passes.context.CompileContext`)."""
     mapping = as_mapping(mapping)
     format = format_named(output_format, "output") if output_format is not None else None
     by_key, ranks = destination_shards(mapping, without_scales(source.shards, quantized),
-                                       layout=layout, destination=destination)
+                                       layout=layout, destination=destination, strict=strict)
     if format is None:
         format = format_named("dcp-safetensors" if ranks is not None else "safetensors",
                               "output")
-    job = plan_job(mapping, source, by_key, quantized=quantized)
+    job = plan_job(mapping, source, by_key, quantized=quantized, strict=strict)
     assert format.destination is not None
     stored = stack_shards(job.plan.destinations, stacking) if stacking else None
     files = format.destination.plan_files(stored or job.plan.destinations, ranks,

@@ -30,6 +30,7 @@ from aoa.mapping import MappingText
 from aoa.passes import PIPELINE, propagate_shapes, through
 from aoa.pipeline import Compilation, analyze
 from aoa.plan import Plan
+from aoa.record import FusedRecord, source_record
 from aoa.runtime.executor import PlanExecutor
 from aoa.storage.formats import Source
 
@@ -37,25 +38,22 @@ ShardInfo = Mapping[str, Sequence[ShardDesc]]
 
 
 def compile_mapping(mapping: MappingText, source: ShardInfo,
-                    destination: ShardInfo | None = None, *, plan: bool = True
-                    ) -> Compilation:
+                    destination: ShardInfo | None = None, *, plan: bool = True,
+                    strict: bool = False, fused: FusedRecord | None = None) -> Compilation:
     """Run the passes over ``mapping`` against the source's shards (and the destination's,
-    when they are known); ``plan=False`` stops before planning (to ask what it makes)."""
+    when they are known); ``plan=False`` stops before planning (to ask what it makes).
+    ``strict``: refuse likely mistakes; ``fused``: what the source records as fused
+    (`aoa.passes.context.CompileContext`)."""
     return analyze(mapping.statements, source, destination, reverse=mapping.reverse,
-                   file=mapping.file, passes=PIPELINE if plan else through(propagate_shapes))
+                   file=mapping.file, passes=PIPELINE if plan else through(propagate_shapes),
+                   strict=strict, fused=fused)
 
 
-def outputs(mapping: MappingText, source: ShardInfo) -> dict[str, ShardDesc | None]:
-    """What ``mapping`` makes on its own (no destination given), whole, by key; None for a
-    key declared with `_ -> key`."""
-    return compile_mapping(mapping, source, plan=False).outputs()
-
-
-def derived_outputs(mapping: MappingText, source: ShardInfo
+def derived_outputs(mapping: MappingText, source: ShardInfo, *, strict: bool = False
                     ) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """Key -> (global shape, dtype) of what ``mapping`` makes with no destination given,
     optimizer states included: what a mesh layout is applied to."""
-    return compile_mapping(mapping, source, plan=False).derived_outputs()
+    return compile_mapping(mapping, source, plan=False, strict=strict).derived_outputs()
 
 
 @dataclass
@@ -106,14 +104,15 @@ class Job:
 
 
 def plan_job(mapping: MappingText, source: Source, destination: ShardInfo | None = None,
-             *, quantized: Mapping[str, Quantized] | None = None) -> Job:
+             *, quantized: Mapping[str, Quantized] | None = None, strict: bool = True) -> Job:
     """Compile ``mapping`` against ``source`` and ``destination`` (None: derive the outputs,
     whole) and plan every destination shard; ``quantized``: source keys stored with block
     scales, dequantized where they are read into another dtype (the mapping does not see
-    their scales: the dequantization reads them)."""
+    their scales: the dequantization reads them). ``strict`` (the default of every job)
+    refuses likely mistakes, the record beside the source saying what is stored fused."""
     start = time.perf_counter()
     compilation = compile_mapping(mapping, without_scales(source.shards, quantized),
-                                  destination)
+                                  destination, strict=strict, fused=source_record(source.path))
     plan = compilation.plan()
     if quantized:
         plan = read_scales(plan, source.shards, quantized)

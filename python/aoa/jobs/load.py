@@ -13,17 +13,18 @@ the copies of its own shards, reading the shared checkpoint folder directly.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from math import prod
 
 from aoa.errors import AoaError, UsageError, ValidationError
-from aoa.jobs.job import Job, ShardInfo, outputs, plan_job
-from aoa.layout import ShardDesc, as_box, distinct_boxes, elements, split_optimizer_suffix
+from aoa.jobs.job import Job, ShardInfo, compile_mapping, plan_job
+from aoa.layout import ShardDesc, as_box, distinct_boxes, split_optimizer_suffix, tiling_fault
 from aoa.mapping import MappingText, as_mapping
+from aoa.pipeline import Compilation
 from aoa.plan import Plan
 from aoa.runtime.buffers import Adapted, DeviceBuffer, HostBuffer, adapt
 from aoa.runtime.progress import progress_bar
@@ -72,50 +73,60 @@ def load(mapping: str | os.PathLike[str] | Sequence[str] | MappingText,
          destination: Mapping[str, Sequence[ShardDesc]] | None = None,
          reverse: bool = False, threads: int | None = None, progress: bool = True,
          distributed: bool | None = None, group: object = None,
-         backend: str = "cpp", source_format: str | None = None) -> Loaded:
+         backend: str = "cpp", source_format: str | None = None,
+         strict: bool = True) -> Loaded:
     """Fill the buffers of ``into`` from the checkpoint ``source`` through ``mapping``.
 
     ``mapping``: a `.aoa` or JSON file, AOA text, or a list of statements. ``source``: a
     checkpoint folder or file (its format detected, or named by ``source_format``), or one
     opened with `aoa.storage.open_source`. ``into``: destination key -> a buffer (numpy
     array, torch tensor, CuPy array, ...) for the whole tensor, an `aoa.Shard` for one box
-    of it, or a list of those.
+    of it, or a list of those. A key gets what a statement writes to it, else the source key
+    of the same name (Paddle's rule). Buffers that are the same memory (tied weights, as
+    ``model.state_dict()`` holds an embedding and the head that shares it) are filled once.
 
     ``distributed``: None uses torch.distributed when it is initialized with more than one
     rank (every rank must call load then); False loads in this process alone. ``destination``
     gives the whole destination layout when the buffers here hold only part of it (the
     shard counts decide fused layouts); by default it is the shards of all ranks' buffers.
+    ``strict`` (default) refuses likely mistakes in the mapping; False keeps Paddle's
+    meaning (`aoa.passes.context.CompileContext`).
     Raises ValidationError naming the key when buffers and mapping disagree."""
     text = as_mapping(mapping)
     text = text._replace(reverse=reverse or text.reverse)
     given = destination
     world = _world(distributed, group) if destination is None else None
-    error: AoaError | None = None
-    targets: list[_Target] = []
-    try:
-        targets = _targets(into)
-    except AoaError as failure:
-        if world is None:
-            raise
-        error = failure  # said to the other ranks first, so that none waits for this one
-    local = [t.desc for t in targets]
-    if destination is not None:
-        own = _find_own(destination, local)
-    elif world is not None:
-        from aoa.jobs.distributed import gather_shards
+    with contextlib.ExitStack() as stack:
+        error: AoaError | None = None
+        targets: list[_Target] = []
+        tied: dict[str, str] = {}
+        try:
+            checkpoint = stack.enter_context(opened(source, source_format))
+            start = time.perf_counter()
+            made = compile_mapping(text, checkpoint.shards, plan=False, strict=strict)
+            compiled = time.perf_counter() - start
+            targets, tied = _untie(_targets(into), made)
+        except AoaError as failure:
+            if world is None:
+                raise
+            error = failure  # said to the other ranks first, so that none waits for this one
+        local = [t.desc for t in targets]
+        if destination is not None:
+            own = _find_own(destination, local)
+        elif world is not None:
+            from aoa.jobs.distributed import gather_shards
 
-        destination, positions = _merge(gather_shards(local, error, group))
-        own = positions[world[0]]
-    else:
-        destination, positions = _merge([local])
-        own = positions[0]
-    if given is None:
-        _check_coverage(destination, world is not None)
-    with opened(source, source_format) as checkpoint:
+            destination, positions = _merge(gather_shards(local, error, group))
+            own = positions[world[0]]
+        else:
+            destination, positions = _merge([local])
+            own = positions[0]
+        if given is None:
+            _check_coverage(destination, world is not None)
         start = time.perf_counter()
-        _check_keys(outputs(text, checkpoint.shards), destination)
-        job = plan_job(text, checkpoint, destination)
-        compiled = time.perf_counter() - start
+        _check_keys(made, destination, tied)
+        job = plan_job(text, checkpoint, destination, strict=strict)
+        compiled += time.perf_counter() - start
         plan = job.plan
         first = _first_indices(destination)
         indices = [first[key] + position for key, position in own]
@@ -134,8 +145,10 @@ def load(mapping: str | os.PathLike[str] | Sequence[str] | MappingText,
             _execute(job, list(zip(indices, (t.buffer for t in targets))), read,
                      threads=threads, backend=backend, progress=advance)
         seconds = time.perf_counter() - start
+    notes = [f"note: the buffer for '{key}' is the same memory as the one for '{kept}' (tied "
+             f"weights): filled once, as '{kept}'" for key, kept in tied.items()]
     return Loaded(plan, indices, sum(t.buffer.nbytes for t in targets), compiled, seconds,
-                  job.notes, [read[i] for i in sorted(read)])
+                  notes + job.notes, [read[i] for i in sorted(read)])
 
 
 # -- the buffers ---------------------------------------------------------------------------
@@ -175,6 +188,55 @@ def _target(key: str, item: object) -> _Target:
     return _Target(ShardDesc(key, local, global_shape, offset, buffer.dtype), buffer)
 
 
+def _untie(targets: list[_Target], made: Compilation
+           ) -> tuple[list[_Target], dict[str, str]]:
+    """Buffers that are the same memory (one shape, dtype and box at one place: tied
+    weights) filled once, as the first of their keys the mapping makes; the others are left
+    out. Returns the targets kept and, for each key left out, the key it is filled as."""
+    by_place: dict[tuple, list[_Target]] = {}
+    for target in targets:
+        buffer = target.buffer
+        if buffer.place is not None and buffer.nbytes:
+            desc = target.desc
+            by_place.setdefault((buffer.place, desc.local_shape, desc.dtype), []).append(target)
+    dropped: set[int] = set()
+    tied: dict[str, str] = {}
+    for group in by_place.values():
+        if len({target.desc.key for target in group}) < 2:
+            continue
+        boxes = {(t.desc.global_shape, t.desc.global_offset) for t in group}
+        keys = list(dict.fromkeys(t.desc.key for t in group))
+        if len(boxes) > 1:
+            raise ValidationError(
+                f"the buffers for {_listed(keys)} are the same memory, but stand for "
+                "different boxes of their tensors",
+                hint="Tied weights share one buffer for one box; give the others buffers of "
+                     "their own.")
+        kept = next((key for key in keys if _made(made, key)), None)
+        if kept is None:
+            raise ValidationError(
+                f"the buffers for {_listed(keys)} are the same memory (tied weights), but "
+                "the mapping makes none of them, and the source has no key of those names",
+                hint=f"Map a source key to one of them (`some.key -> {keys[0]}`).")
+        for target in group:
+            if target.desc.key != kept:
+                dropped.add(id(target))
+                tied[target.desc.key] = kept
+    return [t for t in targets if id(t) not in dropped], tied
+
+
+def _made(made: Compilation, key: str) -> bool:
+    try:
+        return made.made_as(split_optimizer_suffix(key)[0]) is not None
+    except KeyError:
+        return False
+
+
+def _listed(keys: Sequence[str]) -> str:
+    quoted = [f"'{key}'" for key in keys]
+    return ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
 def _merge(ranks: Sequence[Sequence[ShardDesc]]
            ) -> tuple[dict[str, list[ShardDesc]], list[list[tuple[str, int]]]]:
     """All ranks' shards by key, rank 0's first; and where each rank's shards landed
@@ -192,18 +254,28 @@ def _merge(ranks: Sequence[Sequence[ShardDesc]]
 
 
 def _check_coverage(destination: Mapping[str, Sequence[ShardDesc]], ranks: bool) -> None:
-    """The buffers of each key, together, cover its global tensor: the destination layout
-    is all of them, and its shard counts decide fused layouts (fused_qkv, fused_ffn)."""
+    """The buffers of each key, together, tile its global tensor (a replica counts once):
+    the destination layout is all of them, and its shard counts decide fused layouts
+    (fused_qkv, fused_ffn)."""
+    where = "all ranks' buffers" if ranks else "the buffers"
     for key, shards in destination.items():
-        covered = elements([shards[i] for i in distinct_boxes(shards)])  # replicas once
-        total = prod(shards[0].global_shape)
-        if covered < total:
-            where = "all ranks' buffers" if ranks else "the buffers"
+        distinct = [shards[i] for i in distinct_boxes(shards)]
+        shape = shards[0].global_shape
+        fault = tiling_fault(shape, distinct)
+        if fault is None:
+            continue
+        if fault.overlap is not None:
+            one, other = (distinct[i] for i in fault.overlap)
             raise ValidationError(
-                f"{where} for '{key}' cover {covered} of the {total} elements of its global "
-                f"shape {list(shards[0].global_shape)}",
-                hint="Give the whole destination layout with destination= (every rank's "
-                     "shards), or load under torch.distributed, where all ranks' shards count.")
+                f"{where} for '{key}' overlap: the shard at {list(one.global_offset)} and the "
+                f"one at {list(other.global_offset)} share elements of its global shape "
+                f"{list(shape)}",
+                hint="Give each box of the tensor one buffer (replicas: the very same box).")
+        raise ValidationError(
+            f"{where} for '{key}' cover {fault.covered} of the {fault.total} elements of its "
+            f"global shape {list(shape)}",
+            hint="Give the whole destination layout with destination= (every rank's "
+                 "shards), or load under torch.distributed, where all ranks' shards count.")
 
 
 def _find_own(destination: Mapping[str, Sequence[ShardDesc]], local: Sequence[ShardDesc]
@@ -238,19 +310,27 @@ def _first_indices(destination: Mapping[str, Sequence[ShardDesc]]) -> dict[str, 
 # -- checks against the mapping --------------------------------------------------------------
 
 
-def _check_keys(made: Mapping[str, ShardDesc | None], destination: ShardInfo) -> None:
-    """Every buffer is for a tensor the mapping makes (``made``: what it makes on its own,
-    whole), with its global shape and dtype, and every tensor it makes has a buffer
-    (optimizer states are optional)."""
+def _check_keys(made: Compilation, destination: ShardInfo, tied: Mapping[str, str]) -> None:
+    """Every buffer is for a tensor the mapping makes (``made``: compiled without a
+    destination; a key gets what a statement writes to it, else the source key of that
+    name), with its global shape and dtype, and every tensor the mapping makes on its own has
+    a buffer (optimizer states are optional; a key ``tied`` to another is filled as it)."""
+    wanted: dict[str, ShardDesc | None] = {}
     for key, shards in destination.items():
         model_key, suffix = split_optimizer_suffix(key)
-        if model_key not in made:
-            close = difflib.get_close_matches(key, list(made), n=1)
+        try:
+            want = made.made_as(model_key)
+        except KeyError:
+            unfilled = sorted(set(made.tensors.outputs) - set(destination) - set(tied))
+            close = difflib.get_close_matches(key, unfilled, n=1)
             raise ValidationError(
-                f"'{key}' has a buffer, but the mapping makes no tensor of that name",
-                hint=f"Did you mean '{close[0]}'?" if close else
-                "Map a source key to it in the mapping, or give no buffer for it.")
-        want = made.get(key)
+                f"'{key}' has a buffer, but no statement writes it and the source has no key "
+                "of that name",
+                hint=f"Did you mean '{close[0]}', which the mapping makes and no buffer is "
+                     f"given for?" if close else
+                f"Map a source key to it (`some.key -> {model_key}`), or give no buffer for "
+                "it.") from None
+        wanted[key] = want
         if want is None or suffix is not None:
             continue  # declared with `_ -> key`, or an optimizer state: the compiler checks
         for shard in shards:
@@ -269,8 +349,8 @@ def _check_keys(made: Mapping[str, ShardDesc | None], destination: ShardInfo) ->
                     f"{want.dtype}",
                     hint=f"Give a {want.dtype} buffer, or cast in the mapping: "
                          f"`... -> {key}, dtype='{shard.dtype}'`.")
-    missing = sorted(key for key, tensor in made.items()
-                     if tensor is not None and key not in destination)
+    missing = sorted(key for key, tensor in made.outputs().items()
+                     if tensor is not None and key not in destination and key not in tied)
     if missing:
         shown = ", ".join(f"'{k}'" for k in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

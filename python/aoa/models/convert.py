@@ -55,11 +55,11 @@ from aoa.models.fp8 import (
     without_quantization,
 )
 from aoa.models.mapping import ModelMapping, build, template_dtypes, templates_of
+from aoa.record import RECORD, read_record
 from aoa.storage.formats import Source, open_source
 from aoa.storage.stacked import Stacking, UnstackedSource
 from aoa.storage.torch_dist import sharded_object
 
-RECORD = "aoa-conversion.json"
 HF = "hf"
 #: Each target's own checkpoint format: its default, and the one its stacking and sharded
 #: objects are for. PaddleFormers loads Paddle FlexCheckpoint as it is (``load_state_dict``).
@@ -104,19 +104,6 @@ def read_config(folder: Path) -> Config:
     return Config(data, str(path))
 
 
-def read_record(folder: Path) -> dict[str, Any] | None:
-    path = folder / RECORD
-    if not path.is_file():
-        return None
-    record = load_json(read_text(path, "record", ModelError), str(path), ModelError)
-    if not isinstance(record, dict):
-        raise ModelError(f"{path}: expected a JSON object")
-    for name in ("family", "target", "mesh", "mapping", "source_dtypes"):
-        if name not in record:
-            raise ModelError(f"{path}: the record lacks '{name}'")
-    return record
-
-
 def check_output(output: Path) -> None:
     """Nothing is written into a folder that holds anything."""
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -128,10 +115,11 @@ def check_output(output: Path) -> None:
 def plan_job(source: str | Path, checkpoint: Source, *, target: str,
              mesh: Mesh | None = None, dtype: str | None = None,
              mapping_file: str | Path | None = None, output_format: str | None = None,
-             options: Mapping[str, str | None] | None = None) -> Job:
+             options: Mapping[str, str | None] | None = None, strict: bool = True) -> Job:
     """Decide the direction, check the source against its family, make the text and the
     layout, and prepare the conversion (nothing is written). ``options``: the target's own
-    (`megatron`: transformer_impl, experts)."""
+    (`megatron`: transformer_impl, experts). ``strict``: as for `aoa.jobs.convert.prepare`
+    (the library's own mappings pass it; an edited one may not)."""
     source = Path(source)
     if target not in (*TARGETS, HF):
         raise UsageError(f"--to {target}: choose one of {', '.join((*TARGETS, HF))}")
@@ -143,7 +131,7 @@ def plan_job(source: str | Path, checkpoint: Source, *, target: str,
             raise UsageError(f"{source}: not a folder aoa converted (no {RECORD}); it is "
                              "already in Hugging Face layout")
         return _forward(cfg, family, checkpoint, target, mesh or Mesh(), dtype, mapping_file,
-                        output_format, options or {})
+                        output_format, options or {}, strict)
     if record["family"] != family.name:
         raise ModelError(f"{source / RECORD}: records family '{record['family']}', but "
                          f"config.json is of family '{family.name}'")
@@ -153,7 +141,7 @@ def plan_job(source: str | Path, checkpoint: Source, *, target: str,
         if mesh is not None or dtype is not None or mapping_file is not None or given:
             raise UsageError("--to hf takes everything from the record; give no --tp, --ep, "
                              "--pp, --dtype, --mapping or target options")
-        return _inverse(cfg, family, checkpoint, record, output_format)
+        return _inverse(cfg, family, checkpoint, record, output_format, strict)
     if target != record["target"]:
         raise UsageError(f"{source} holds the {record['target']} layout; convert it --to hf "
                          f"first, then --to {target}")
@@ -164,13 +152,15 @@ def plan_job(source: str | Path, checkpoint: Source, *, target: str,
                          + ", ".join(f"--{n.replace('_', '-')} {recorded.get(n)}"
                                      for n in changed)
                          + f"; convert it --to hf first, then --to {target} with other options")
-    return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype, output_format)
+    return _reshard(cfg, family, checkpoint, record, mesh or Mesh(), dtype, output_format,
+                    strict)
 
 
 def run(source: str | Path, output: str | Path, *, target: str, mesh: Mesh | None = None,
         dtype: str | None = None, mapping_file: str | Path | None = None,
         output_format: str | None = None, threads: int | None = None,
-        progress: Callable[[int], None] | None = None, dry_run: bool = False) -> Job:
+        progress: Callable[[int], None] | None = None, dry_run: bool = False,
+        strict: bool = True) -> Job:
     """Plan the job, then (unless a dry run) write the checkpoint, side files and record.
     ``output_format``: the files' format (default: the target's own, `OWN_FORMATS`; Hugging
     Face safetensors for `hf`)."""
@@ -179,7 +169,7 @@ def run(source: str | Path, output: str | Path, *, target: str, mesh: Mesh | Non
         check_output(output)
     with open_source(source) as checkpoint:
         job = plan_job(source, checkpoint, target=target, mesh=mesh, dtype=dtype,
-                       mapping_file=mapping_file, output_format=output_format)
+                       mapping_file=mapping_file, output_format=output_format, strict=strict)
         if not dry_run:
             write_job(job, source, output, threads=threads, progress=progress)
     return job
@@ -217,7 +207,7 @@ def copy_side_files(source: Path, output: Path) -> None:
 
 def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
              dtype: str | None, mapping_file: str | Path | None, output_format: str | None,
-             options: Mapping[str, str | None]) -> Job:
+             options: Mapping[str, str | None], strict: bool) -> Job:
     info = checkpoint.shards
     expected = family.tensors(cfg.with_checkpoint(frozenset(info)))
     expected.update(scale_tensors(info, expected, cfg))
@@ -253,7 +243,7 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
     conversion = prepare(MappingText(text, False, origin if mapping_file else
                                      "<aoa.models mapping>"),
                          checkpoint, layout=mapping.layout, output_format=output_format,
-                         quantized=quantized, **_stored_as(mapping, own))
+                         quantized=quantized, strict=strict, **_stored_as(mapping, own))
     _check_fp8_scales(conversion, mapping)
     if mapping.dequantizes:
         record = _dequantized_record(cfg, family, mapping, text, source_dtypes, own)
@@ -289,7 +279,7 @@ def _unstacked(checkpoint: Source, record: Mapping[str, Any]) -> Source:
 
 
 def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
-             output_format: str | None) -> Job:
+             output_format: str | None, strict: bool) -> Job:
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     mapping = build(family, cfg, record["target"], _mesh(record), dtype=record.get("dtype"),
@@ -302,7 +292,7 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
     else:
         text, reverse = record["mapping"], True  # an edited mapping, run backwards
     conversion = prepare(MappingText(text, reverse, "<aoa.models inverse>"), checkpoint,
-                         output_format=output_format)
+                         output_format=output_format, strict=strict)
     _check_outputs(conversion, mapping.source_tensors, set(record.get("absent_groups", [])))
     out = dict(record, direction="inverse", target=HF, aoa_version=aoa_version(),
                mapping=text, mapping_origin="aoa.models inverse" if not reverse else
@@ -313,7 +303,7 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
 
 
 def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
-             dtype: str | None, output_format: str | None) -> Job:
+             dtype: str | None, output_format: str | None, strict: bool) -> Job:
     info = checkpoint.shards
     cfg = cfg.with_checkpoint(frozenset(info), record.get("absent_groups", []))
     options = record.get("options")
@@ -336,7 +326,7 @@ def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
     own = output_format is not None and output_format == OWN_FORMATS.get(mapping.target)
     carried = checkpoint.objects() if checkpoint.format == output_format else {}
     conversion = prepare(MappingText(text, False, "<aoa.models reshard>"), checkpoint,
-                         layout=mapping.layout, output_format=output_format,
+                         layout=mapping.layout, output_format=output_format, strict=strict,
                          quantized=quantized, **_stored_as(mapping, own, carried))
     _check_fp8_scales(conversion, mapping)
     # The record names the mapping from Hugging Face to what the folder now holds.

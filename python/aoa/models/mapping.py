@@ -139,8 +139,9 @@ def _model_types_by_target() -> dict[str, list[str]]:
 
 
 def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
-    """The family's splits as mesh rules; dimensions of size 1, and rules for keys the
-    mapping does not write, are left out."""
+    """The family's splits as mesh rules; dimensions of size 1, and rules that decide no key
+    the mapping writes (none matches, or an earlier rule takes each: first match wins), are
+    left out, so that the layout passes the strict check of a user's layout."""
     dimensions = {name: size for name, size in mesh.dimensions().items()
                   if size > 1 or name == "tp"}
     written = [write.replace(LAYER, "0").replace(EXPERT, "0")
@@ -164,7 +165,10 @@ def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
                   else {})
         if axes or places:
             rules.append(Rule(split.match, axes, places, blocks))
-    return MeshLayout(dimensions, tuple(rules), "<model layout>")
+    deciding = {next((i for i, rule in enumerate(rules)
+                      if fnmatch.fnmatchcase(key, rule.match)), None) for key in written}
+    return MeshLayout(dimensions, tuple(rule for i, rule in enumerate(rules) if i in deciding),
+                      "<model layout>")
 
 
 def template_dtypes(templates: Sequence[str], key_dtypes: Mapping[str, str]) -> dict[str, str]:

@@ -9,6 +9,7 @@ the way, and what a later pass needs travels in it, typed:
     resolve_chains    Program                  -> ChainedProgram  where each name's data goes
     expand_fused      ChainedProgram           -> Program    ^T, fused_ffn, fused_qkv(_old)
     propagate_shapes  Program                  -> SymbolicTensors  every output as pieces
+    check_mapping     SymbolicTensors          -> SymbolicTensors  likely mistakes (strict)
     plan              SymbolicTensors          -> PlannedProgram   the copies per shard
 
 `aoa.pipeline.analyze` runs them (or a part of them) with a hook after each pass.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from aoa.passes import (
+    check_mapping,
     expand_fused,
     expand_macros,
     parse,
@@ -45,6 +47,7 @@ PIPELINE: tuple[Pass, ...] = (
     resolve_chains,
     expand_fused,
     propagate_shapes,
+    check_mapping,
     plan,
 )
 

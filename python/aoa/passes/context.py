@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from aoa.layout import ShardDesc, model_state_keys
+from aoa.errors import AoaError
+from aoa.layout import ShardDesc, check_tiling, model_state_keys
 from aoa.source import Span
+
+if TYPE_CHECKING:
+    from aoa.record import FusedRecord
 
 
 @dataclass(frozen=True)
@@ -52,10 +57,18 @@ class Shardings:
 
 @dataclass
 class CompileContext:
+    """``strict``: refuse what Paddle runs but a person almost surely did not mean (a
+    statement that expands to nothing, a source key passed on unmentioned while others are
+    renamed, a fused_qkv group split over ranks, a tensor ``fused`` records as fused
+    re-laid without its macro); without it they are notes. ``fused``: what the source's
+    record says is stored fused (None: no record)."""
+
     source: dict[str, list[ShardDesc]]
     destination: dict[str, list[ShardDesc]] | None
     reverse: bool = False
     notes: list[Note] = field(default_factory=list)
+    strict: bool = False
+    fused: FusedRecord | None = None
 
     def __post_init__(self) -> None:
         self.source_keys = model_state_keys(self.source)
@@ -63,6 +76,17 @@ class CompileContext:
         self.shardings = Shardings()
         self.source_shardings = self.shardings.of_keys(self.source)
         self.destination_shardings = self.shardings.of_keys(self.destination)
+        checked: set[int] = set()
+        for key, number in self.source_shardings.items():
+            if number not in checked:  # keys sharded alike are checked once
+                checked.add(number)
+                check_tiling(key, self.source[key])
 
     def note(self, message: str, span: Span | None = None) -> None:
         self.notes.append(Note(message, span))
+
+    def mistake(self, error: AoaError) -> None:
+        """A likely mistake: raised when strict, else a note of its message and place."""
+        if self.strict:
+            raise error
+        self.note(error.message, error.span)

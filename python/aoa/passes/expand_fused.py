@@ -342,6 +342,8 @@ class _Fuser:
         else:
             raise MacroError("fused_qkv takes `q, k, v -> fused` or `fused -> q, k, v`",
                              s.span)
+        if (len(s.left) == 3) != self.ctx.reverse:  # the fused tensor is written
+            self._check_groups(written, flag, groups)
         prefix = self.fresh.prefix("fused_qkv_tmp")
         q_names = [f"{prefix}Q_{i}" for i in range(heads)]
         k_names = [f"{prefix}K_{g}" for g in range(groups)]
@@ -359,6 +361,21 @@ class _Fuser:
                 self._make(s, "fused_qkv", grouped, [s.right[0]], axis, span)]
 
 
+    def _check_groups(self, written: Statement, flag: Attribute, groups: int) -> None:
+        """The fused tensor fused_qkv writes holds its groups one after another, and its
+        shards (one per tensor-parallel rank) cut it in equal parts: unless the groups
+        divide over them, a rank gets a part of a group, query heads without their key and
+        value, which no attention can use. Paddle writes it so."""
+        fused = written.right[0] if len(written.left) == 3 else written.left[0]
+        shards = self._count(written, fused)
+        if shards > 1 and groups % shards:
+            self.ctx.mistake(MacroError(
+                f"fused_qkv writes '{fused.base}' as {groups} key/value groups, which do not "
+                f"divide over its {shards} shards: a group would be split between ranks",
+                self._span_of_attribute(written, "num_key_value_groups"),
+                hint=f"num_key_value_groups must be a multiple of the {shards} shards (repeat "
+                     "the key/value heads up to one first), or lay the tensor out over fewer "
+                     "shards; --lenient (strict=False) writes it as Paddle does."))
 
     # fused_in_proj -----------------------------------------------------------------------
     def fused_in_proj(self, written: Statement, s: Statement, flag: Attribute, axis: int):

@@ -9,6 +9,7 @@ shard counts (`^T`, `fused_*`) run later, after the chains are resolved (expand_
 from __future__ import annotations
 
 import bisect
+import difflib
 import functools
 import itertools
 import math
@@ -113,8 +114,7 @@ class _Expander:
         ids = sorted({int(m.group(1)) for key in self.source_keys.with_prefix(prefix)
                       if (m := regex.fullmatch(key))})
         if not ids:
-            self.ctx.note(f"'{pattern.text}' matches no source key: the statement expands "
-                          "to nothing", pattern.span)
+            self.expands_to_nothing(pattern, LAYER_ID_OFFSET)
         result = []
         for layer in ids:
             left_id, right_id = (layer + 1, layer) if self.ctx.reverse else (layer, layer - 1)
@@ -129,6 +129,23 @@ class _Expander:
                 [self._substitute(n, {LAYER_ID_OFFSET: str(right_id)}) for n in statement.right],
                 statement.attributes))
         return result
+
+    def expands_to_nothing(self, pattern: Name, *placeholders: str) -> None:
+        """A template that matches no key: Paddle drops the statement without a word, and
+        the keys it meant to rename then pass on under their own names (a likely typo)."""
+        message = f"'{pattern.text}' matches no source key: the statement expands to nothing"
+        if not self.ctx.strict:
+            self.ctx.note(message, pattern.span)
+            return
+        example = pattern.base
+        for placeholder in placeholders:
+            example = example.replace(placeholder, "0")
+        close = difflib.get_close_matches(example, self.source_keys.keys, n=1)
+        like = f" (a source key like it: '{close[0]}')" if close else ""
+        raise MacroError(message, pattern.span,
+                         hint=f"Check the name against the source keys{like}, or delete the "
+                              "statement; --lenient (strict=False) lets it expand to nothing, "
+                              "as Paddle does.")
 
     @staticmethod
     def _substitute(name: Name, values: dict[str, str]) -> Name:
@@ -175,8 +192,7 @@ class _Expander:
         combinations = list(itertools.product(*(list(map(str, sorted(values[p])))
                                                 for p in ordered)))
         if not combinations:
-            self.ctx.note(f"'{pattern.text}' matches no source key: the statement expands to "
-                          "nothing", pattern.span)
+            self.expands_to_nothing(pattern, *found)
         fields = [p[1:] for p in ordered]
         filled = [dict(zip(fields, combination)) for combination in combinations]
 

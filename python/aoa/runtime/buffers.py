@@ -25,6 +25,12 @@ from aoa.runtime.copies import c_strides
 _NAME_OF_NUMPY: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
 
 
+#: Where a caller's buffer lies: device ("cpu", or "cuda:N"), address, strides in bytes.
+#: Two buffers of one shape and dtype at one place are the same memory, as the tensors of
+#: tied weights are (an embedding and the head that shares it).
+Place = tuple[str, int, tuple[int, ...]]
+
+
 @dataclass
 class HostBuffer:
     """A destination in host memory. ``data`` is a writable, C-contiguous byte buffer of
@@ -38,6 +44,8 @@ class HostBuffer:
     finish: Callable[[], None] | None = None
     #: the object whose memory ``data`` views, held while the copies run
     owner: object = None
+    #: where the caller's buffer lies (`Place`)
+    place: Place | None = None
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +63,8 @@ class DeviceBuffer:
     device: int
     kind: str
     owner: object
+    #: where the caller's buffer lies (`Place`)
+    place: Place | None = None
 
     @property
     def nbytes(self) -> int:
@@ -107,14 +117,15 @@ def _from_numpy(array: np.ndarray, what: str, kind: str = "numpy array") -> Host
     if not array.flags.writeable:
         raise UsageError(f"{what} is read-only ({kind})")
     shape = tuple(array.shape)
+    place = ("cpu", array.__array_interface__["data"][0], tuple(array.strides))
     if array.flags.c_contiguous:
-        return HostBuffer(shape, dtype, array, kind)
+        return HostBuffer(shape, dtype, array, kind, place=place)
     staged = np.empty(shape, array.dtype)  # filled by the kernel, then copied over
 
     def finish() -> None:
         array[...] = staged
 
-    return HostBuffer(shape, dtype, staged, kind, finish)
+    return HostBuffer(shape, dtype, staged, kind, finish, place=place)
 
 
 def _torch_dtype(tensor, what: str) -> str:
@@ -128,17 +139,20 @@ def _torch_dtype(tensor, what: str) -> str:
 def _from_torch(tensor, what: str) -> Adapted:
     dtype = _torch_dtype(tensor, what)
     shape = tuple(tensor.shape)
+    strides = tuple(n * tensor.element_size() for n in tensor.stride())
     if tensor.device.type == "cuda":
         if not tensor.is_contiguous():
             raise UsageError(f"{what} is a strided CUDA tensor; aoa fills contiguous ones",
                              hint="Load into a contiguous tensor, then copy it over.")
-        return DeviceBuffer(shape, dtype, tensor.data_ptr(), tensor.device.index or 0,
-                            "torch tensor", tensor)
+        device = tensor.device.index or 0
+        return DeviceBuffer(shape, dtype, tensor.data_ptr(), device, "torch tensor", tensor,
+                            (f"cuda:{device}", tensor.data_ptr(), strides))
     if tensor.device.type != "cpu":
         raise UsageError(f"{what} is on device {tensor.device}; aoa fills CPU and CUDA tensors")
+    place = ("cpu", tensor.data_ptr(), strides)
     if tensor.is_contiguous():
         return HostBuffer(shape, dtype, _bytes_at(tensor.data_ptr(), tensor.nbytes),
-                          "torch tensor", owner=tensor)
+                          "torch tensor", owner=tensor, place=place)
     staged = tensor.new_empty(shape)  # contiguous; copied over when the kernel is done
 
     def finish() -> None:
@@ -146,7 +160,7 @@ def _from_torch(tensor, what: str) -> Adapted:
             tensor.copy_(staged)
 
     return HostBuffer(shape, dtype, _bytes_at(staged.data_ptr(), staged.nbytes),
-                      "torch tensor", finish, owner=staged)
+                      "torch tensor", finish, owner=staged, place=place)
 
 
 def _bytes_at(pointer: int, nbytes: int) -> np.ndarray:
@@ -167,8 +181,9 @@ def _from_cupy(array, what: str) -> DeviceBuffer:
     if not array.flags.c_contiguous:
         raise UsageError(f"{what} is a strided CuPy array; aoa fills contiguous ones",
                          hint="Load into a contiguous array, then copy it over.")
-    return DeviceBuffer(tuple(array.shape), dtype, int(array.data.ptr), int(array.device.id),
-                        "CuPy array", array)
+    device = int(array.device.id)
+    return DeviceBuffer(tuple(array.shape), dtype, int(array.data.ptr), device, "CuPy array",
+                        array, (f"cuda:{device}", int(array.data.ptr), tuple(array.strides)))
 
 
 def _from_cuda_array_interface(buffer, what: str) -> DeviceBuffer:
@@ -188,8 +203,10 @@ def _from_cuda_array_interface(buffer, what: str) -> DeviceBuffer:
     if strides is not None and tuple(strides) != c_strides(shape, numpy_dtype.itemsize):
         raise UsageError(f"{what} is strided (__cuda_array_interface__); aoa fills "
                          "contiguous buffers")
-    return DeviceBuffer(shape, dtype, int(pointer), _device_of(int(pointer)),
-                        type(buffer).__name__, buffer)
+    device = _device_of(int(pointer))
+    return DeviceBuffer(shape, dtype, int(pointer), device, type(buffer).__name__, buffer,
+                        (f"cuda:{device}", int(pointer),
+                         c_strides(shape, numpy_dtype.itemsize)))
 
 
 def _from_dlpack(buffer, what: str) -> Adapted:

@@ -8,14 +8,13 @@ missing), with the box arithmetic of `aoa.layout`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from aoa.dtypes import itemsize
 from aoa.errors import StorageError, quote
-from aoa.layout import ShardDesc, distinct_boxes, elements, overlapping_pair
+from aoa.layout import ShardDesc, distinct_boxes, tiling_fault
 from aoa.limits import shape_problem
 
 
@@ -69,20 +68,19 @@ def key_shards(key: str, chunks: Sequence[Chunk],
 
 def check_tiling(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> None:
     """No two chunks share an element, and together they cover the global shape."""
-    solid = [chunk for chunk in chunks if math.prod(chunk.local_shape)]  # others hold nothing
-    pair = overlapping_pair(solid)
-    if pair is not None:
-        first, second = (solid[n] for n in pair)
+    fault = tiling_fault(shape, chunks)
+    if fault is None:
+        return
+    if fault.overlap is not None:
+        first, second = (chunks[n] for n in fault.overlap)
         raise StorageError(
             f"tensor '{key}': chunk at {list(first.global_offset)} in {first.file} "
             f"overlaps chunk at {list(second.global_offset)} in {second.file}"
         )
-    covered = elements(solid)
-    if covered != math.prod(shape):
-        raise StorageError(
-            f"tensor '{key}': its chunks cover {covered} of the {math.prod(shape)} elements of "
-            f"its global shape {list(shape)}; files: " + _files(chunks)
-        )
+    raise StorageError(
+        f"tensor '{key}': its chunks cover {fault.covered} of the {fault.total} elements of "
+        f"its global shape {list(shape)}; files: " + _files(chunks)
+    )
 
 
 def _files(chunks: Sequence[Chunk]) -> str:

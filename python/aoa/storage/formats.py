@@ -351,12 +351,36 @@ def format_named(name: str, role: str = "source") -> Format:
 
 def detect(path: Path) -> Format:
     """The format of the checkpoint at ``path``: the first that claims it. Where none does,
-    safetensors, whose reader then says what the folder lacks."""
+    safetensors, whose reader then says what the folder lacks; a file none claims is read
+    as safetensors only if it starts like one (whatever its name), else refused with what
+    aoa reads instead of a reader's guess at its bytes."""
     for module_name in FORMAT_MODULES.values():
         found = _load(module_name)
         if found is not None and found.open_source is not None and found.claims(path):
             return found
+    if path.is_file() and not _looks_like_safetensors(path):
+        why = ("it is not a zip archive, as torch.save has written since torch 1.6 (a legacy "
+               "torch.save file, or not written by torch.save)"
+               if path.suffix in (".bin", ".pt", ".pth") else
+               "by its name and first bytes it is no safetensors file, torch.save archive or "
+               "checkpoint metadata")
+        raise StorageError(f"{path}: not a checkpoint aoa reads: {why}", hint=_READABLE)
     return format_named("safetensors")
+
+
+_READABLE = ("Give a safetensors file or folder, a pytorch_model.bin (a zip archive) or its "
+             "index, a Paddle {n}.metadata, a PyTorch DCP or Megatron torch_dist folder, or "
+             "shard-info JSON; --source-format names the format.")
+
+
+def _looks_like_safetensors(path: Path) -> bool:
+    """An 8-byte little-endian header length that fits the file, then a JSON object."""
+    with open(path, "rb") as file:
+        start = file.read(9)
+    if len(start) < 9:
+        return False
+    length = int.from_bytes(start[:8], "little")
+    return start[8:9] == b"{" and 2 <= length <= path.stat().st_size - 8
 
 
 def open_source(path: str | os.PathLike[str], format: str | None = None) -> Source:
