@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import subprocess
@@ -231,17 +232,32 @@ def measure_aoa(aoa, model: Model, repeats: int) -> dict:
         return {k: [aoa.ShardDesc(*s) for s in v] for k, v in layout.items()}
 
     source, destination = shard_info(model.source), shard_info(model.destination)
+    pipeline = importlib.import_module("aoa.pipeline")
     plan = None
+    pass_seconds: dict[str, float] = {}
+
+    def after_pass(name: str, ir: object, ctx: object, seconds: float) -> None:
+        pass_seconds[name] = seconds
 
     def job() -> int:
         nonlocal plan
-        plan = aoa.compile(model.statements, source, destination)
+        plan = pipeline.analyze(model.statements, source, destination,
+                                after_pass=after_pass).plan()
         return len(plan.destinations)
 
     seconds, planned = best_time(job, repeats)
     copies = getattr(plan, "copies", None)
-    return {"seconds": seconds, "targets": planned,
-            "entries": None if copies is None else len(copies)}
+    result = {"seconds": seconds, "targets": planned, "plan_seconds": pass_seconds.get("plan"),
+              "entries": None if copies is None else len(copies)}
+    try:
+        from aoa.runtime.lower import kernel_copies
+    except ImportError:  # a checkout without the runtime's lowering
+        return result
+    gc.collect()
+    start = time.perf_counter()
+    kernel_copies(plan)
+    result["lower_seconds"] = time.perf_counter() - start
+    return result
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -440,6 +456,18 @@ def main(argv: list[str] | None = None) -> int:
             same = "same count" if p_entries == a_entries else "counts differ (may be fine)"
             print(f"L={row['layers']} E={row['experts']}: aoa {a_entries:,} copies, "
                   f"Paddle {p_entries:,} entries: {same}")
+    lowered = [row for row in rows if (row["aoa"] or {}).get("lower_seconds") is not None]
+    if lowered:
+        print("lowering the plan into kernel copies (runtime.lower.kernel_copies), against "
+              "the plan pass of the same run; and compile + plan + lower against Paddle")
+        for row in lowered:
+            ours_row, paddle_row = row["aoa"], row["paddle"]
+            lower, plan_pass = ours_row["lower_seconds"], ours_row["plan_seconds"]
+            total = ours_row["seconds"] + lower
+            versus = "" if paddle_row is None else (
+                f", compile + plan + lower {paddle_row['seconds'] / total:.1f}x Paddle")
+            print(f"L={row['layers']} E={row['experts']}: lower {lower:.3f} s, plan pass "
+                  f"{plan_pass:.3f} s: {lower / plan_pass:.2f}x the plan pass{versus}")
     if baseline is not None:
         print(f"aoa against the baseline {args.baseline} (aoa s / baseline s; below 1: faster)")
         for row in rows:

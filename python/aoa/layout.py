@@ -41,10 +41,25 @@ class ShardDesc:
         """Boxes become tuples of ints and are checked once, here, so passes can trust
         them: a description that is not one is a UsageError naming its key."""
         boxes = (self.local_shape, self.global_shape, self.global_offset)
-        if not all(type(box) is tuple and all(type(n) is int for n in box) for box in boxes):
+        if not (tuple is type(boxes[0]) is type(boxes[1]) is type(boxes[2])
+                and _INT_ONLY.issuperset(map(type, boxes[0] + boxes[1] + boxes[2]))):
             for field_name, box in zip(_BOX_FIELDS, boxes):
                 object.__setattr__(self, field_name, as_box(self.key, field_name, box))
         _check_shard(self)
+
+    @classmethod
+    def unchecked(cls, key: str, local_shape: tuple[int, ...], global_shape: tuple[int, ...],
+                  global_offset: tuple[int, ...], dtype: str | None) -> ShardDesc:
+        """A description made of parts of checked ones (a box inside a checked shard, of
+        its key and dtype), so not checked again: answers to queries make them by the
+        hundred thousand."""
+        shard = _new_object(cls)
+        _set_key(shard, key)
+        _set_local_shape(shard, local_shape)
+        _set_global_shape(shard, global_shape)
+        _set_global_offset(shard, global_offset)
+        _set_dtype(shard, dtype)
+        return shard
 
     @property
     def numel(self) -> int:
@@ -77,6 +92,13 @@ class ShardDesc:
         """An unsharded tensor: one shard covering everything."""
         return cls(key, tuple(shape), tuple(shape), (0,) * len(shape), dtype)
 
+
+_INT_ONLY = frozenset({int})
+_new_object = object.__new__
+# the slots' own setters: a frozen dataclass refuses setattr
+_set_key, _set_local_shape, _set_global_shape, _set_global_offset, _set_dtype = (
+    getattr(ShardDesc, name).__set__
+    for name in ("key", "local_shape", "global_shape", "global_offset", "dtype"))
 
 ShardInfo = Mapping[str, Sequence[ShardDesc]]
 
@@ -167,7 +189,7 @@ def as_box(key: object, field_name: str, box: object) -> tuple[int, ...]:
 def _check_shard(shard: ShardDesc) -> None:
     key = shard.key
     offsets, sizes, totals = shard.global_offset, shard.local_shape, shard.global_shape
-    if not isinstance(key, str) or not is_text(key):
+    if not isinstance(key, str) or not (key.isascii() or is_text(key)):
         raise UsageError(f"a shard's key must be a text, not {quote(key)}")
     if shard.dtype is not None and not (isinstance(shard.dtype, str) and is_known(shard.dtype)):
         raise UsageError(f"shard of '{key}' has dtype {quote(shard.dtype)}, which aoa does not "

@@ -136,6 +136,11 @@ class CopyTable(Sequence[PlannedCopy]):
     def __len__(self) -> int:
         return self._length
 
+    def blocks(self) -> Iterator[tuple[int, Sequence[KeyedCopy], Sequence[int]]]:
+        """Per destination key: its first destination index, its copies (one sequence
+        object for all keys laid out alike) and the source index of each of its reads."""
+        return iter(self._blocks)
+
     def __iter__(self) -> Iterator[PlannedCopy]:
         for first, copies, sources in self._blocks:
             # tuple.__new__ skips the NamedTuple's Python-level __new__

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from operator import attrgetter
+from operator import add, attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa import symbolic
@@ -52,6 +52,11 @@ class _ShardCopy(NamedTuple):
     source_start: Box
     order: tuple[int, ...] | None
     casts: tuple[str, ...]
+
+
+#: what planning one key's shards leaves: the reads, as (slot, positions of its shards), the
+#: copies, and each shard's answer
+_KeyPlan = tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy], list[list[Entry]]]
 
 
 class _ShardRead(NamedTuple):
@@ -177,8 +182,10 @@ class Planner:
         self._source_shards: dict[str, list[ShardDesc]] = {}
         self._reads_memo: dict[tuple, list[_ShardRead]] = {}
         self._casts_memo: dict[tuple, tuple[str, ...]] = {}
-        self._key_memo: dict[tuple, tuple[list[tuple[int, tuple[int, ...]]],
-                                          list[KeyedCopy]]] = {}
+        self._key_memo: dict[tuple, _KeyPlan] = {}
+        #: destination key -> the answer of each of its declared shards, in listed order,
+        #: with the keys the answers' slots read (filled by `plan` of the declared shards)
+        self.planned_answers: dict[str, tuple[list[list[Entry]], Sequence[str]]] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -193,7 +200,7 @@ class Planner:
     def _raw_entries(self, target: ShardDesc, tensor: Tensor, suffix: str | None
                      ) -> list[Entry]:
         lo = target.global_offset
-        hi = tuple(o + n for o, n in zip(lo, target.local_shape))
+        hi = tuple(map(add, lo, target.local_shape))
         if suffix not in BETA_POW_SUFFIXES and len(lo) != len(tensor.shape):
             raise ValidationError(
                 f"destination {_describe(target)} has {len(lo)} dimensions, but the program "
@@ -369,7 +376,9 @@ class Planner:
                 memo = self._key_copies(shards, tensor, suffix, same)
                 if not removed:
                     self._key_memo[memo_key] = memo
-            reads, key_copies = memo
+            reads, key_copies, answers = memo
+            if declared is not None:
+                self.planned_answers[key] = (answers, read_keys)
             if len(reads) == 1:
                 slot, positions = reads[0]
                 ids = source_index.ids(read_keys[slot], positions)
@@ -385,19 +394,23 @@ class Planner:
         return Plan(source_index.shards, destinations, copies, notes, untouched)
 
     def _key_copies(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None,
-                    same: tuple[int, ...] | None
-                    ) -> tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy]]:
+                    same: tuple[int, ...] | None) -> _KeyPlan:
         """The copies of one key's shards, with sources as positions in the key's distinct
-        reads, so that another key laid out alike only renames them.
+        reads, so that another key laid out alike only renames them; and each shard's
+        answer (its pieces, sources as slots).
 
         The reads are listed per source key, as (the first slot that reads it, positions of
         its shards read), and numbered in that order; ``same`` gives each slot's first
         slot of the same key (None: one slot)."""
+        answers: list[list[Entry]] = []
         # each copy with its read as (the first slot of its source key, shard position)
-        planned = [(k, (r.source.slot if same is None else same[r.source.slot],
-                        r.source.shard), r)
-                   for k, target in enumerate(shards)
-                   for r in self._shard_copies(target, tensor, suffix)]
+        planned = []
+        for k, target in enumerate(shards):
+            entries = self._raw_entries(target, tensor, suffix)
+            answers.append(entries)
+            planned += [(k, (r.source.slot if same is None else same[r.source.slot],
+                             r.source.shard), r)
+                        for r in self._shard_copies(target, tensor, suffix, entries)]
         by_key: dict[int, dict[int, None]] = {}
         for _, (slot, position), _ in planned:
             by_key.setdefault(slot, {})[position] = None
@@ -405,12 +418,12 @@ class Planner:
         number = {read: i for i, read in enumerate(
             [(slot, p) for slot, positions in reads for p in positions])}
         return reads, [(k, number[read], r.destination_start, r.shape, r.source_start,
-                        r.order, r.casts) for k, read, r in planned]
+                        r.order, r.casts) for k, read, r in planned], answers
 
-    def _shard_copies(self, target: ShardDesc, tensor: Tensor, suffix: str | None
-                      ) -> list[_ShardCopy]:
-        """Validate one destination shard and work out its copies."""
-        entries = self._raw_entries(target, tensor, suffix)
+    def _shard_copies(self, target: ShardDesc, tensor: Tensor, suffix: str | None,
+                      entries: list[Entry]) -> list[_ShardCopy]:
+        """Validate one destination shard, whose answer is ``entries``, and work out its
+        copies."""
         read_keys = [tensor.keys[e.slot] + (suffix or "") for e in entries]
         self._check(target, tensor, [(k, e.ops) for k, e in zip(read_keys, entries)],
                     [(e.target_lo, e.target_hi, k) for k, e in zip(read_keys, entries)])

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
-from aoa.plan import Plan, PlannedCopy
+from aoa.plan import CopyTable, Plan, PlannedCopy
 from aoa.runtime.copies import BlockScale, Copy, c_strides
 
 #: a dequantizing copy's scales as lowering needs them: (the scale shard, the buffer slot
@@ -62,6 +62,8 @@ def block_scale(copy: PlannedCopy, source: ShardDesc, shard: ShardDesc, slot: in
 def kernel_copies(plan: Plan, copies: Iterable[PlannedCopy] | None = None) -> list[Copy]:
     """The plan's copies (or ``copies`` of it) for buffers numbered as the plan numbers its
     shards (scales too), in plan order."""
+    if copies is None and isinstance(plan.copies, CopyTable) and not plan.scales:
+        return _kernel_copies_by_block(plan, plan.copies)
     sources, destinations = plan.sources, plan.destinations
     lowered = []
     for c in plan.copies if copies is None else copies:
@@ -70,6 +72,36 @@ def kernel_copies(plan: Plan, copies: Iterable[PlannedCopy] | None = None) -> li
         lowered.append(lower(c, sources[c.source], destinations[c.destination], c.source,
                              c.destination, scales))
     return lowered
+
+
+def _kernel_copies_by_block(plan: Plan, table: CopyTable) -> list[Copy]:
+    """`kernel_copies` of a plan as planned: keys laid out alike share one block of copies,
+    with shards of the same shapes and dtypes on both sides, so each block is lowered once
+    and the copies of every other key sharing it differ only in their buffer slots."""
+    sources, destinations = plan.sources, plan.destinations
+    lowered: dict[int, list[tuple[int, int, dict]]] = {}  # id of a block -> its copies
+    result: list[Copy] = []
+    append = result.append
+    for first, block, reads in table.blocks():
+        parts = lowered.get(id(block))
+        if parts is None:
+            parts = lowered[id(block)] = [
+                (k, read, vars(lower(PlannedCopy(first + k, d, shape, reads[read], s, order,
+                                                 casts),
+                                     sources[reads[read]], destinations[first + k], 0, 0)))
+                for k, read, d, shape, s, order, casts in block]
+        for k, read, fields in parts:
+            # the block's copy with this key's slots, made without Copy's frozen __init__
+            copy = _new_copy(Copy)
+            copy_fields = vars(copy)
+            copy_fields.update(fields)
+            copy_fields["source"] = reads[read]
+            copy_fields["destination"] = first + k
+            append(copy)
+    return result
+
+
+_new_copy = object.__new__
 
 
 def rows_of(shard: ShardDesc, start: int, stop: int, dtype: str | None = None) -> ShardDesc:
