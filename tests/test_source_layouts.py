@@ -108,3 +108,34 @@ def test_keys_laid_out_alike_get_their_own_sources():
         column = shard.global_offset[1]
         expected = tensors[f"model.layers.{layer}.w"].T[:, column:column + 3]
         assert out[index].tobytes() == np.ascontiguousarray(expected).tobytes()
+
+
+@pytest.mark.parametrize("count", [2, 5, 16, 17, 40], ids=lambda n: f"{n}-boxes")
+def test_overlapping_pair_agrees_with_counting_elements(count):
+    """Few boxes are compared pairwise in Python, many on numpy's boundary grid: both find
+    an overlap exactly when some element lies in two boxes, and name two boxes that share
+    one."""
+    from aoa.layout import overlapping_pair
+
+    rng = np.random.default_rng(count)
+    found = 0
+    for _ in range(60):
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(n) for n in rng.integers(2, 9, ndim))
+        boxes = []
+        for _ in range(count):
+            start = tuple(int(rng.integers(0, n)) for n in shape)
+            extent = tuple(int(rng.integers(1, n - a + 1)) for a, n in zip(start, shape))
+            boxes.append(aoa.ShardDesc("w", extent, shape, start, "float32"))
+        cells = np.zeros(shape, np.int32)
+        for box in boxes:
+            cells[tuple(slice(a, a + n) for a, n in zip(box.global_offset, box.local_shape))] += 1
+        pair = overlapping_pair(boxes)
+        assert (pair is not None) == bool((cells > 1).any())
+        if pair is not None:
+            found += 1
+            one, other = (boxes[i] for i in pair)
+            assert pair[0] != pair[1] and all(
+                max(a, b) < min(a + n, b + m) for a, n, b, m in zip(
+                    one.global_offset, one.local_shape, other.global_offset, other.local_shape))
+    assert found  # the cases hold overlaps, not only tilings
