@@ -31,12 +31,13 @@ ATTENTION = dict(vocab_size=128, hidden_size=32, num_attention_heads=8, num_key_
                  head_dim=4, intermediate_size=64, num_hidden_layers=2)
 MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
 
-#: latent attention (its heads all key/value heads) and a sigmoid router with one expert
-#: group; no multi-token-prediction layer (transformers neither makes nor saves one)
-LATENT = dict(num_key_value_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=4,
-              qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4, n_shared_experts=1,
-              n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-              num_nextn_predict_layers=0, **MOE)
+#: a sigmoid router with one expert group; no multi-token-prediction layer (transformers
+#: neither makes nor saves one); latent attention's heads are all key/value heads
+SIGMOID_ROUTER = dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
+                      norm_topk_prob=True, routed_scaling_factor=2.5,
+                      num_nextn_predict_layers=0, **MOE)
+LATENT = dict(SIGMOID_ROUTER, num_key_value_heads=8, q_lora_rank=16, kv_lora_rank=16,
+              qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
 
 #: case -> (transformers config class, arguments)
 CASES: dict[str, tuple[str, dict]] = {
@@ -58,6 +59,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "deepseek_v3": ("DeepseekV3Config", dict(LATENT, first_k_dense_replace=1)),
     "deepseek_v3_no_q_lora": ("DeepseekV3Config", dict(LATENT, q_lora_rank=None,
                                                        first_k_dense_replace=0)),
+    "glm4_moe": ("Glm4MoeConfig", dict(SIGMOID_ROUTER, first_k_dense_replace=1,
+                                       attention_bias=True, use_qk_norm=True,
+                                       partial_rotary_factor=0.5)),
 }
 
 

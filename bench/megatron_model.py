@@ -14,7 +14,7 @@ makes) and adds the logits on ``IDS``. One process runs every job: importing Meg
 most of the time.
 
 The config translation covers the families the tests convert (Llama, Mistral, Qwen2,
-Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3): RMSNorm, SwiGLU, rotary embeddings,
+Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5): RMSNorm, SwiGLU, rotary embeddings,
 grouped-query or latent attention, q/k norms, biases, routers that normalize their top-k
 (or not), sigmoid routers with an expert bias, shared experts with or without a sigmoid
 gate, dense layers among sparse ones (``moe_layer_freq`` as a list).
@@ -68,25 +68,22 @@ def transformer_config(hf: dict):
         if hf.get("shared_expert_intermediate_size"):
             arguments.update(moe_shared_expert_intermediate_size=hf[
                 "shared_expert_intermediate_size"], moe_shared_expert_gate=True)
+    if kind in ("deepseek_v3", "glm4_moe"):
+        arguments.update(_sigmoid_router(hf))
+    if kind == "glm4_moe":  # q/k/v biases only; q/k norms when use_qk_norm
+        arguments.update(add_bias_linear=False, add_qkv_bias=bool(hf.get("attention_bias")),
+                         qk_layernorm=bool(hf.get("use_qk_norm")))
     if kind == "deepseek_v3":
         return _latent_attention_config(hf, arguments)
     return TransformerConfig(**arguments)
 
 
-def _latent_attention_config(hf: dict, arguments: dict):
-    """DeepSeek-V3 as Megatron-Core's MLATransformerConfig: the low-rank norms as its
-    qk_layernorm, plain rotary embeddings (the tiny configs have no YaRN scaling), a sigmoid
-    router with its expert bias and scaling, group-limited where the config groups experts,
-    shared experts without a gate."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
+def _sigmoid_router(hf: dict) -> dict:
+    """DeepSeek-V3's and GLM-4.5's router: sigmoid scores, top-k chosen with the expert bias
+    added, group-limited where the config groups experts, normalized and scaled; shared
+    experts without a gate."""
     groups = hf.get("n_group") or 1
-    arguments.update(
-        num_query_groups=hf["num_attention_heads"], kv_channels=None, qk_layernorm=True,
-        add_qkv_bias=False, add_bias_linear=False, q_lora_rank=hf.get("q_lora_rank"),
-        kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-        rope_type="rope", rotary_base=_rope_theta(hf),
+    return dict(
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_pre_softmax=False, moe_router_dtype="fp32",
         moe_router_topk_scaling_factor=hf.get("routed_scaling_factor") or None,
@@ -95,12 +92,25 @@ def _latent_attention_config(hf: dict, arguments: dict):
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"]
         if hf.get("n_shared_experts") else None)
+
+
+def _latent_attention_config(hf: dict, arguments: dict):
+    """DeepSeek-V3 as Megatron-Core's MLATransformerConfig: the low-rank norms as its
+    qk_layernorm, plain rotary embeddings (the tiny configs have no YaRN scaling)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    arguments.update(
+        num_query_groups=hf["num_attention_heads"], kv_channels=None, qk_layernorm=True,
+        add_qkv_bias=False, add_bias_linear=False, q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        rope_type="rope", rotary_base=_rope("rope_theta", hf, 10000))
     return MLATransformerConfig(**arguments)
 
 
-def _rope_theta(hf: dict) -> int:
-    return int(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta",
-                                                                                10000))
+def _rope(name: str, hf: dict, default: float) -> float:
+    """A rotary embedding's setting, top-level or (transformers 5) in rope_parameters."""
+    return hf.get(name) or (hf.get("rope_parameters") or {}).get(name, default)
 
 
 def _sparse_layers(hf: dict, experts: int) -> list[bool]:
@@ -156,7 +166,9 @@ def gpt_model(hf: dict):
         for layer in getattr(spec, "layer_specs", None) or [spec]:
             layer.submodules.self_attention.submodules.core_attention = core
     return GPTModel(config, spec, vocab_size=hf["vocab_size"], max_sequence_length=64,
-                    position_embedding_type="rope", rotary_base=_rope_theta(hf),
+                    position_embedding_type="rope",
+                    rotary_base=int(_rope("rope_theta", hf, 10000)),
+                    rotary_percent=_rope("partial_rotary_factor", hf, 1.0),
                     share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
                     ).eval()
 

@@ -266,3 +266,33 @@ def test_fused_qkv_groups_that_do_not_divide_the_ranks_are_refused(tmp_path, cap
     assert cli("check", tmp_path / "qkv.aoa", *arguments, capsys=capsys) == (1, err)
     assert cli("convert", tmp_path / "qkv.aoa", *arguments, "--output", tmp_path / "out",
                "--quiet", "--lenient", capsys=capsys)[0] == 0
+
+
+# -- a fused_in_proj tensor, which no statement can lay out again -----------------------------
+
+def test_a_fused_in_proj_tensor_over_another_shard_count_is_refused(tmp_path):
+    """fused_in_proj's parts may differ in size, so no statement lays its tensor out again
+    (it cannot run backwards): the hint says to go back to Hugging Face and forward."""
+    import json
+
+    from aoa.pipeline import analyze
+    from aoa.record import fused_record
+
+    (tmp_path / RECORD).write_text(json.dumps({
+        "family": "qwen3_5", "target": "paddleformers", "mesh": {"tp": 2},
+        "source_dtypes": {}, "mapping": "q, z -> t, fused_in_proj, axis=0, tp_probe_key=t\n"}))
+    fused = fused_record(tmp_path)
+    source = {"t": [aoa.ShardDesc("t", (4, 2), (8, 2), (row, 0), "float32") for row in (0, 4)]}
+    four = {"t": [aoa.ShardDesc("t", (2, 2), (8, 2), (row, 0), "float32")
+                  for row in (0, 2, 4, 6)]}
+    with pytest.raises(aoa.ValidationError) as error:
+        analyze("", source, four, strict=True, fused=fused)
+    assert error.value.message == (
+        f"'t' is stored fused by fused_in_proj over 2 shards (as {tmp_path / RECORD} records), "
+        "but reaches 't' over 4 through no fused_in_proj statement: copied as it lies, its "
+        "parts would land on the wrong ranks")
+    assert error.value.hint == (
+        "fused_in_proj cannot lay it out again: convert the folder back (--to hf) and forward "
+        "at the new degree; --lenient (strict=False) copies it as it lies.")
+    analyze("", source, source, strict=True, fused=fused)  # at its own shard count
+    analyze("", source, four, strict=False, fused=fused)

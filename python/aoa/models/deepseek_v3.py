@@ -159,18 +159,22 @@ def separate_mlp(m: TargetMapping, hf: str, target: str) -> None:
         m.add(linear(f"{hf}{proj}.weight", f"{target}{proj}.weight"))
 
 
-def megatron_decoder(cfg: Config) -> megatron.Decoder:
-    """DeepSeek-V3 for the megatron target. Its multi-token-prediction layers are not
-    mapped: a checkpoint that holds them is refused (a checkpoint transformers saved has
-    none, whatever num_nextn_predict_layers says); with no checkpoint at hand, a note."""
+def without_mtp_layers(cfg: Config) -> list[str]:
+    """The megatron target does not map multi-token-prediction layers: a checkpoint that
+    holds them is refused (one transformers saved has none, whatever num_nextn_predict_layers
+    says); with no checkpoint at hand, the notes to print."""
     mtp = cfg.count(MTP, 0)
     if mtp and cfg.present is not None:
         raise ModelError(f"{cfg.path}: the checkpoint holds {mtp} multi-token-prediction "
                          "layer(s), which --to megatron does not write",
                          hint="Convert the model without them (drop their tensors), or with "
                               "--to paddleformers.")
-    notes = [f"the {mtp} multi-token-prediction layer(s) of {MTP} are not mapped"] if mtp \
+    return [f"the {mtp} multi-token-prediction layer(s) of {MTP} are not mapped"] if mtp \
         else []
+
+
+def megatron_decoder(cfg: Config) -> megatron.Decoder:
+    notes = without_mtp_layers(cfg)
     layers = cfg.positive("num_hidden_layers")
     dense = cfg.count("first_k_dense_replace", 0)
     return megatron.Decoder(sparse=[layer >= dense for layer in range(layers)],

@@ -11,11 +11,16 @@ shared_head.norm becomes its `norm`; its embed_tokens and shared_head.head, whic
 PaddleFormers shares with the main model, are carried as they are so the way back is whole.
 Because a `$LAYER_ID` template would also match those layers, a model with them is mapped
 layer by layer, as PaddleFormers does.
+
+megatron: Megatron-Core's GPTModel (`aoa.models.megatron`): q/k/v biases in linear_qkv, q/k
+norms, dense first layers, the router with its score correction as expert_bias (float32),
+shared experts without a gate. Multi-token-prediction layers as for DeepSeek-V3: refused
+where the checkpoint holds them.
 """
 
 from __future__ import annotations
 
-from aoa.models import decoder, paddleformers
+from aoa.models import decoder, deepseek_v3, megatron, paddleformers
 from aoa.models.base import (
     EXPERT,
     LAYER,
@@ -123,5 +128,17 @@ def decoder_layer(m: TargetMapping, cfg: Config, hf: str, target: str, *, sparse
         paddleformers.fused_mlp(m, hf + "mlp.", target + "mlp.")
 
 
-FAMILY = Family("glm4_moe", ("glm4_moe",), tensors, {"paddleformers": to_paddleformers},
+def megatron_decoder(cfg: Config) -> megatron.Decoder:
+    layers = cfg.positive("num_hidden_layers")
+    dense = cfg.count("first_k_dense_replace", 0)
+    return megatron.Decoder(qkv_bias=cfg.flag("attention_bias"), qk_norm=cfg.flag("use_qk_norm"),
+                            sparse=[layer >= dense for layer in range(layers)],
+                            experts=cfg.positive("n_routed_experts"),
+                            shared_expert="shared_experts.",
+                            expert_bias="gate.e_score_correction_bias",
+                            notes=deepseek_v3.without_mtp_layers(cfg))
+
+
+FAMILY = Family("glm4_moe", ("glm4_moe",), tensors, {"paddleformers": to_paddleformers,
+                                                     "megatron": megatron.target(megatron_decoder)},
                 "GLM-4-MoE: shared and routed experts, MTP layers")
