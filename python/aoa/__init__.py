@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 from aoa.errors import (
@@ -39,7 +40,10 @@ __all__ = [
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'aoa' has no attribute {name!r}")
+        # a submodule (`aoa.pipeline`), found as when importing aoa imported them all
+        if name.startswith("_") or importlib.util.find_spec(f"aoa.{name}") is None:
+            raise AttributeError(f"module 'aoa' has no attribute {name!r}")
+        return importlib.import_module(f"aoa.{name}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -11,12 +11,13 @@ of the copies that write that part.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
-from aoa.plan import CopyTable, Plan, PlannedCopy
+from aoa.plan import CopyTable, KeyedCopy, Plan, PlannedCopy
 from aoa.runtime.copies import BlockScale, Copy, c_strides
 
 #: a dequantizing copy's scales as lowering needs them: (the scale shard, the buffer slot
@@ -82,23 +83,39 @@ def _kernel_copies_by_block(plan: Plan, table: CopyTable) -> list[Copy]:
     lowered: dict[int, list[tuple[int, int, dict]]] = {}  # id of a block -> its copies
     result: list[Copy] = []
     append = result.append
-    for first, block, reads in table.blocks():
-        parts = lowered.get(id(block))
-        if parts is None:
-            parts = lowered[id(block)] = [
-                (k, read, vars(lower(PlannedCopy(first + k, d, shape, reads[read], s, order,
-                                                 casts),
-                                     sources[reads[read]], destinations[first + k], 0, 0)))
-                for k, read, d, shape, s, order, casts in block]
-        for k, read, fields in parts:
-            # the block's copy with this key's slots, made without Copy's frozen __init__
-            copy = _new_copy(Copy)
-            copy_fields = vars(copy)
-            copy_fields.update(fields)
-            copy_fields["source"] = reads[read]
-            copy_fields["destination"] = first + k
-            append(copy)
+    # Hundreds of thousands of new objects and no reference cycles: the cyclic collector
+    # would walk the growing heap again and again (half the time at 61x256), so it waits.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for first, block, reads in table.blocks():
+            _lower_block(first, block, reads, sources, destinations, lowered, append)
+    finally:
+        if collecting:
+            gc.enable()
     return result
+
+
+def _lower_block(first: int, block: Sequence[KeyedCopy], reads: Sequence[int],
+                 sources: Sequence[ShardDesc], destinations: Sequence[ShardDesc],
+                 lowered: dict[int, list[tuple[int, int, dict]]],
+                 append: Callable[[Copy], None]) -> None:
+    """The kernel copies of one key's block (``lowered``: the blocks lowered already)."""
+    parts = lowered.get(id(block))
+    if parts is None:
+        parts = lowered[id(block)] = [
+            (k, read, vars(lower(PlannedCopy(first + k, d, shape, reads[read], s, order,
+                                             casts),
+                                 sources[reads[read]], destinations[first + k], 0, 0)))
+            for k, read, d, shape, s, order, casts in block]
+    for k, read, fields in parts:
+        # the block's copy with this key's slots, made without Copy's frozen __init__
+        copy = _new_copy(Copy)
+        copy_fields = vars(copy)
+        copy_fields.update(fields)
+        copy_fields["source"] = reads[read]
+        copy_fields["destination"] = first + k
+        append(copy)
 
 
 _new_copy = object.__new__
