@@ -107,26 +107,7 @@ class _ToIR(Transformer):
 
     def statement(self, children):
         left, arrow, *items = children
-        right: list[Name] = []
-        attributes: list[Attribute] = []
-        for item in items:
-            if isinstance(item, Attribute):
-                attributes.append(item)
-            elif item.text in FLAG_ATTRIBUTES:
-                attributes.append(Attribute(item.text, None, item.span))
-            elif attributes:
-                raise AoaSyntaxError(
-                    f"'{item.text}' follows the attributes of the statement",
-                    item.span, hint="Names go before the attributes: `a -> b, c, axis=1`.")
-            else:
-                right.append(item)
-        first = left[0].span
-        last = (attributes[-1] if attributes and (not right or attributes[-1].span.end_column
-                > right[-1].span.end_column) else (right[-1] if right else arrow))
-        last_span = last.span if not isinstance(last, Token) else _span(self.source, last)
-        span = Span(self.source, first.line, first.column, last_span.end_line,
-                    last_span.end_column)
-        return Statement(left, tuple(right), tuple(attributes), span)
+        return _statement(self.source, left, items, arrow)
 
     def program(self, children):
         return [child for child in children if isinstance(child, Statement)]
@@ -186,8 +167,142 @@ def _missing_comma(source: SourceText, line: int, column: int) -> AoaSyntaxError
     return None
 
 
+#: the grammar's terminals (grammar/aoa.lark), none a prefix of another's match, so one
+#: alternation splits any text Lark parses into Lark's own tokens
+_TOKENS = re.compile(
+    r"""(?P<ws>[ \t]+)|(?P<comment>#[^\n]*)|(?P<nl>[\r\n]+)|(?P<arrow>->)|(?P<num>\d+)"""
+    r"""|(?P<str>"[^"\n]*"|'[^'\n]*')|(?P<id>[A-Za-z_][A-Za-z0-9.$_*^]*)|(?P<p>[,=\[\]:])""")
+#: a token of the fast path: (kind, text, line, column), Lark's line and column
+_Tok = tuple[str, str, int, int]
+
+
+def _fast_parse(source: SourceText) -> list[Statement] | None:
+    """The statements of ``source`` as Lark and `_ToIR` make them, without Lark, or None
+    for a text the fast path does not take (any error, anything unusual): `parse_source`
+    then parses it with Lark, which gives the same result or the same error."""
+    text = source.text
+    tokens: list[_Tok] = []
+    pos, line, line_start, size = 0, 1, 0, len(text)
+    match = _TOKENS.match
+    while pos < size:
+        found = match(text, pos)
+        if found is None:
+            return None
+        kind, end = found.lastgroup, found.end()
+        if kind == "nl":
+            newlines = text.count("\n", pos, end)
+            if newlines:
+                line += newlines
+                line_start = text.rindex("\n", pos, end) + 1
+            tokens.append(("nl", "", line, 0))
+        elif kind != "ws" and kind != "comment":
+            tokens.append((kind, found.group(), line, pos - line_start + 1))  # type: ignore
+        pos = end
+    tokens.append(("end", "", line, 0))
+    statements: list[Statement] = []
+    at = 0
+
+    def name() -> Name | None:
+        nonlocal at
+        kind, word, line, column = tokens[at]
+        if kind != "id":
+            return None
+        at += 1
+        if tokens[at][1] != "[":
+            return Name(word, Span(source, line, column, line, column + len(word)))
+        if at + 5 > len(tokens):
+            return None
+        opened, first, colon, last, closed = tokens[at:at + 5]
+        if (first[0] != "num" or last[0] != "num" or colon[1] != ":" or closed[1] != "]"
+                or opened[0] != "p" or colon[0] != "p" or closed[0] != "p"
+                or len(first[1]) > MAX_NUMBER_DIGITS or len(last[1]) > MAX_NUMBER_DIGITS):
+            return None
+        at += 5
+        return Name(word, Span(source, line, column, last[2], last[3] + len(last[1]) + 1),
+                    array=(int(first[1]), int(last[1])))
+
+    while True:
+        kind = tokens[at][0]
+        if kind == "end":
+            return statements
+        if kind == "nl":
+            at += 1
+            continue
+        left = [name()]
+        while left[-1] is not None and tokens[at][:2] == ("p", ","):
+            at += 1
+            left.append(name())
+        if left[-1] is None or tokens[at][0] != "arrow":
+            return None
+        at += 1
+        items: list[Name | Attribute | None] = [name()]
+        while items[-1] is not None and tokens[at][:2] == ("p", ","):
+            at += 1
+            key = tokens[at]
+            if key[0] == "id" and tokens[at + 1][:2] == ("p", "="):
+                value = tokens[at + 2]
+                at += 3
+                kind = value[0]
+                if kind == "num" and len(value[1]) <= MAX_NUMBER_DIGITS:
+                    held: int | str = int(value[1])
+                elif kind == "str":
+                    held = value[1][1:-1]
+                elif kind == "id" and key[1] in NAME_ATTRIBUTES:
+                    held = value[1]
+                else:
+                    return None
+                items.append(Attribute(key[1], held, Span(source, key[2], key[3], value[2],
+                                                          value[3] + len(value[1]))))
+            else:
+                items.append(name())
+        if items[-1] is None or tokens[at][0] not in ("nl", "id", "end"):
+            return None
+        seen_attribute = False
+        for item in items:
+            if isinstance(item, Attribute) or item.text in FLAG_ATTRIBUTES:  # type: ignore
+                seen_attribute = True
+            elif seen_attribute:
+                return None  # a name after the attributes: Lark's path says so
+        statements.append(_statement(source, tuple(left), items, None))  # type: ignore
+
+
+def _statement(source: SourceText, left: tuple[Name, ...], items: Sequence[Name | Attribute],
+               arrow: Token | None) -> Statement:
+    """A statement of its transformed parts (``arrow`` None only where the right side
+    has an item, as the grammar has it)."""
+    right: list[Name] = []
+    attributes: list[Attribute] = []
+    for item in items:
+        if isinstance(item, Attribute):
+            attributes.append(item)
+        elif item.text in FLAG_ATTRIBUTES:
+            attributes.append(Attribute(item.text, None, item.span))
+        elif attributes:
+            raise AoaSyntaxError(
+                f"'{item.text}' follows the attributes of the statement",
+                item.span, hint="Names go before the attributes: `a -> b, c, axis=1`.")
+        else:
+            right.append(item)
+    first = left[0].span
+    last = (attributes[-1] if attributes and (not right or attributes[-1].span.end_column
+            > right[-1].span.end_column) else (right[-1] if right else arrow))
+    assert last is not None
+    last_span = last.span if not isinstance(last, Token) else _span(source, last)
+    span = Span(source, first.line, first.column, last_span.end_line,  # type: ignore
+                last_span.end_column)
+    return Statement(left, tuple(right), tuple(attributes), span)
+
+
 def parse_source(source: SourceText) -> list[Statement]:
     """Statements of one unit of text, in order."""
+    fast = _fast_parse(source)
+    if fast is not None:
+        return fast
+    return _lark_parse(source)
+
+
+def _lark_parse(source: SourceText) -> list[Statement]:
+    """`parse_source` by Lark: every text, and every error's message."""
     try:
         tree = _parser().parse(source.text)
     except UnexpectedInput as error:
