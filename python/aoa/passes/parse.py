@@ -284,12 +284,14 @@ def _statement(source: SourceText, left: tuple[Name, ...], items: Sequence[Name 
         else:
             right.append(item)
     first = left[0].span
-    last = (attributes[-1] if attributes and (not right or attributes[-1].span.end_column
-            > right[-1].span.end_column) else (right[-1] if right else arrow))
+    last = (attributes[-1] if attributes and (
+        not right or attributes[-1].span.end_column  # type: ignore[union-attr]
+        > right[-1].span.end_column)  # type: ignore[union-attr]
+        else (right[-1] if right else arrow))
     assert last is not None
     last_span = last.span if not isinstance(last, Token) else _span(source, last)
     span = Span(source, first.line, first.column, last_span.end_line,  # type: ignore
-                last_span.end_column)
+                last_span.end_column)  # type: ignore[union-attr]
     return Statement(left, tuple(right), tuple(attributes), span)
 
 
