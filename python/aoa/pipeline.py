@@ -50,7 +50,7 @@ class Compilation:
         made by ``planner`` if given (one that keeps what it planned, to answer from)."""
         if targets is None and self.planned is not None:
             return self.planned
-        with _collector_paused():
+        with collector_paused():
             plan = (planner or Planner(self.tensors, self.ctx)).plan(targets)
         if targets is None:
             self.planned = plan
@@ -110,7 +110,7 @@ class Compilation:
 
 
 @contextlib.contextmanager
-def _collector_paused():
+def collector_paused():
     """The passes allocate millions of small tuples and free few: pausing the cyclic garbage
     collector halves compile time on big models (nothing here makes reference cycles that
     outlive the call)."""
@@ -135,7 +135,7 @@ def new_context(source: Mapping, destination: Mapping | None = None, reverse: bo
 def run_passes(ir: Any, ctx: CompileContext, passes: Sequence[Pass],
                after_pass: AfterPass | None = None) -> Any:
     """``ir`` through each of ``passes`` in turn, calling ``after_pass`` after each."""
-    with _collector_paused():
+    with collector_paused():
         for compiler_pass in passes:
             start = time.perf_counter()
             ir = compiler_pass.run(ir, ctx)
@@ -153,7 +153,7 @@ def analyze(statements: str | Sequence[str], source: Mapping, destination: Mappi
     ``passes`` may leave out share_instances (every template instance expanded in full) and
     stop after propagate_shapes (nothing planned until asked); they start with parse.
     ``strict`` and ``fused``: see `CompileContext`."""
-    with _collector_paused():
+    with collector_paused():
         ctx = new_context(source, destination, reverse, strict=strict, fused=fused)
     return compile_in(ctx, statements, file=file, passes=passes, after_pass=after_pass)
 

@@ -16,14 +16,12 @@ from aoa.errors import UsageError, quote
 from aoa.layout import ShardDesc, as_shard
 from aoa.passes import propagate_shapes, through
 from aoa.passes.plan import Planner
-from aoa.pipeline import compile_in, new_context
-from aoa.symbolic import Op, Permute
+from aoa.pipeline import collector_paused, compile_in, new_context
+from aoa.symbolic import Entry, Op, Permute
 
 #: Paddle's shard descriptor; the same fields and value semantics.
 ShardedWeightDesc = ShardDesc
 
-#: a shard's box and dtype: (global_offset, local_shape, global_shape, dtype)
-_Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], "str | None"]
 #: one piece of a planned shard's answer: (slot, target offset, target size, source offset,
 #: source size, postprocess steps or None)
 _EntryForm = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
@@ -75,15 +73,32 @@ class AOAEngine:
             # every shard planned (so checked) here: wrong programs are refused before any
             # byte moves, not at the query that hits them
             self.compilation.plan(planner=self._planner)
-        #: destination key -> position of each of its planned shards by box and dtype
-        self._positions: dict[str, dict[_Box, int]] = {}
-        #: (id of a planned key's answers, position) -> the Paddle entries' parts
-        self._forms: dict[tuple[int, int], list[_EntryForm]] = {}
         #: ops of a piece -> Paddle's postprocess list of them, as a tuple
         self._postprocess: dict[tuple[Op, ...], tuple[str, ...]] = {}
+        #: id of a planned key's answers -> the Paddle entries' parts, by position
+        self._forms: dict[int, list[list[_EntryForm]]] = {}
+        #: (key, global_offset, local_shape, global_shape, dtype) of each destination shard
+        #: -> the shard and its position among its key's
+        self._boxes: dict[tuple, tuple[ShardDesc, int]] = {}
+        with collector_paused():
+            # made here, with what was planned, not query by query: hundreds of thousands
+            # of objects that outlive the queries would set the collector walking the
+            # whole plan in the middle of them
+            for shards in (self.destination or {}).values():
+                for position, s in enumerate(shards):
+                    self._boxes[s.key, s.global_offset, s.local_shape, s.global_shape,
+                                s.dtype] = (s, position)
+            for key_answers, _ in self._planner.planned_answers.values():
+                if id(key_answers) not in self._forms:
+                    self._forms[id(key_answers)] = [self._form(answer)
+                                                    for answer in key_answers]
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
-        planned = self._planned_position(target)
+        try:  # the planned destination shard equal to ``target`` (a descriptor of any class)
+            planned = self._boxes.get((target.key, target.global_offset, target.local_shape,
+                                 target.global_shape, target.dtype))
+        except (AttributeError, TypeError):  # not a descriptor, or lists for boxes
+            planned = None
         if planned is None:
             return self._answer_unplanned(as_shard(target))
         shard, position = planned
@@ -91,23 +106,23 @@ class AOAEngine:
         if answers is None:  # declared with `_ -> X`
             return []
         key_answers, read_keys = answers
-        form = self._forms.get((id(key_answers), position))
-        if form is None:
-            form = self._forms[id(key_answers), position] = [
-                (entry.slot, entry.target_lo, tuple(map(sub, entry.target_hi, entry.target_lo)),
-                 entry.source_lo, tuple(map(sub, entry.source_hi, entry.source_lo)),
-                 self._postprocess_steps(entry.ops))
-                for entry in key_answers[position]]
+        forms = self._forms.get(id(key_answers))
+        if forms is None:  # planned after construction: not by the engine
+            forms = self._forms[id(key_answers)] = [self._form(answer)
+                                                    for answer in key_answers]
+        form = forms[position]
         unchecked = _unchecked
         source = self.source
         if len(form) == 1:  # the one piece of a planned shard covers all of it
             slot, _, _, source_lo, source_size, steps = form[0]
             source_key = read_keys[slot]
             read = source[source_key][0]
-            return [_mapping_entry(
-                shard,
-                unchecked(source_key, source_size, read.global_shape, source_lo, read.dtype),
-                None if steps is None else list(steps))]
+            entry = _new_object(ShardMappingEntry)
+            _set_target(entry, shard)
+            _set_source(entry, unchecked(source_key, source_size, read.global_shape, source_lo,
+                                         read.dtype))
+            _set_postprocess(entry, None if steps is None else list(steps))
+            return [entry]
         result = []
         key, global_shape, dtype = shard.key, shard.global_shape, shard.dtype
         for slot, target_lo, target_size, source_lo, source_size, steps in form:
@@ -118,6 +133,12 @@ class AOAEngine:
                 unchecked(source_key, source_size, read.global_shape, source_lo, read.dtype),
                 None if steps is None else list(steps)))
         return result
+
+    def _form(self, answer: Sequence[Entry]) -> list[_EntryForm]:
+        """The parts of the Paddle entries of a planned shard's pieces."""
+        return [(entry.slot, entry.target_lo, tuple(map(sub, entry.target_hi, entry.target_lo)),
+                 entry.source_lo, tuple(map(sub, entry.source_hi, entry.source_lo)),
+                 self._postprocess_steps(entry.ops)) for entry in answer]
 
     def _answer_unplanned(self, target: ShardDesc) -> list[ShardMappingEntry]:
         """A box the plan did not cover: answered and checked now."""
@@ -136,24 +157,6 @@ class AOAEngine:
                                     read.global_shape, entry.source_lo, read.dtype),
                 None if steps is None else list(steps)))
         return result
-
-    def _planned_position(self, target: object) -> tuple[ShardDesc, int] | None:
-        """The planned destination shard equal to ``target`` (a descriptor of any class
-        with the same fields) and its position among its key's, if there is one."""
-        if self.destination is None:
-            return None
-        try:
-            key = target.key  # type: ignore[attr-defined]
-            positions = self._positions.get(key)
-            if positions is None:
-                positions = self._positions[key] = {
-                    (s.global_offset, s.local_shape, s.global_shape, s.dtype): position
-                    for position, s in enumerate(self.destination.get(key, ()))}
-            position = positions.get((target.global_offset, target.local_shape,  # type: ignore
-                                      target.global_shape, target.dtype))  # type: ignore
-        except (AttributeError, TypeError):  # not a descriptor, or lists for boxes
-            return None
-        return None if position is None else (self.destination[key][position], position)
 
     def _postprocess_steps(self, ops: tuple[Op, ...]) -> tuple[str, ...] | None:
         """Paddle's postprocess list (permutation strings and dtype names, in order), as a
