@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from frameworks import MEGATRON_PYTHON
+from frameworks import MEGATRON_PYTHON, PADDLE_PYTHON
 
 from aoa.cli import main
 from aoa.dtypes import numpy_dtype
@@ -27,7 +27,6 @@ from aoa.storage.formats import open_source
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 BENCH = Path(__file__).parent.parent.parent / "bench"
-PADDLE_PYTHON = Path("/work/paddle-venv/bin/python")
 
 #: fixture -> (detected format, expected.npz key suffix)
 SOURCES = {
@@ -191,9 +190,10 @@ def _run_reference(python: Path, args: list[str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PADDLE_PYTHON.exists(), reason="PaddlePaddle 3.3.1 venv not here")
+@pytest.mark.skipif(PADDLE_PYTHON is None, reason="PaddlePaddle 3.3.1 venv not here")
 @pytest.mark.parametrize("fixture", ["dcp/fsdp4", "torch_dist/tp2", "paddle/flat4"])
 def test_converted_to_paddle_loads_in_paddle(tmp_path, fixture):
+    assert PADDLE_PYTHON is not None
     out = convert(tmp_path, FIXTURES / fixture, "paddle", "grid4")
     _, _, specs = assemble(out)
     spec = tmp_path / "spec.json"
