@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aoa.errors import StorageError
+from aoa.storage.folder import sync_folder
 from aoa.storage.safetensors import _prefault as prefault
 from aoa.storage.safetensors import _reserve as reserve
-from aoa.storage.safetensors import _sync_folder as sync_folder
 from aoa.storage.safetensors import partial_path
 
 if TYPE_CHECKING:

@@ -29,6 +29,7 @@ from aoa.errors import StorageError, quote
 from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc
 from aoa.limits import shape_problem
+from aoa.storage.folder import sync_folder
 from aoa.storage.formats import FileLayout, ShardSpan
 
 if TYPE_CHECKING:  # reading headers and mapping files needs no numpy: imported when used
@@ -419,7 +420,7 @@ class SafetensorsWriter:
         if not self._committed:
             try:
                 os.replace(self.partial, self.path)
-                _sync_folder(self.path.parent)
+                sync_folder(self.path.parent)
             except OSError as error:
                 raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
             self._committed = True
@@ -467,15 +468,6 @@ def _reserve(fd: int, size: int) -> None:
     except OSError as error:
         if error.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
-
-
-def _sync_folder(folder: Path) -> None:
-    """fsync a folder so a rename in it survives a crash."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_safetensors(
