@@ -321,22 +321,24 @@ class Worker:
     environment's python, so Paddle is never imported here) or the aoa of a baseline
     checkout."""
 
-    def __init__(self, name: str, command: list[str]) -> None:
+    def __init__(self, name: str, command: list[str], result_tag: str = RESULT_TAG) -> None:
         self.name = name
+        self.result_tag = result_tag
         print(f"{name}: measuring in a subprocess: {' '.join(command)}", file=sys.stderr)
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True)
 
-    def measure(self, layers: int, experts: int) -> dict | None:
+    def measure(self, request: str) -> dict | None:
+        """Send one request line; the worker's result line, or None once it has exited."""
         assert self.process.stdin is not None and self.process.stdout is not None
         try:
-            self.process.stdin.write(f"{layers}x{experts}\n")
+            self.process.stdin.write(request + "\n")
             self.process.stdin.flush()
         except BrokenPipeError:
             return None
         for line in self.process.stdout:
-            if line.startswith(RESULT_TAG):
-                return json.loads(line[len(RESULT_TAG):])
+            if line.startswith(self.result_tag):
+                return json.loads(line[len(self.result_tag):])
         print(f"{self.name}: the worker exited with status {self.process.wait()}",
               file=sys.stderr)
         return None
@@ -410,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(layers, experts, args.ffn)
         paddle_runs, aoa_runs, baseline_runs = [], [], []
         for _ in range(repeats_for(layers, experts, args.repeats)):
-            if worker is not None and (result := worker.measure(layers, experts)):
+            if worker is not None and (result := worker.measure(f"{layers}x{experts}")):
                 paddle_runs.append(result)
-            if baseline is not None and (result := baseline.measure(layers, experts)):
+            if baseline is not None and (result := baseline.measure(f"{layers}x{experts}")):
                 baseline_runs.append(result)
             if aoa is not None:
                 aoa_runs.append(measure_aoa(aoa, model, 1))

@@ -36,14 +36,13 @@ import contextlib
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compile_scale import PADDLE_PYTHON, Layout, build_model, parse_sizes
+from compile_scale import PADDLE_PYTHON, Layout, Worker, build_model, parse_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "golden" / "paddleformers"
@@ -127,34 +126,6 @@ def run_paddle_worker() -> int:
     return 0
 
 
-class PaddleWorker:
-    """Paddle measured in a subprocess of the Paddle environment, one job per request."""
-
-    def __init__(self, python: str) -> None:
-        print(f"paddle: measuring in a subprocess: {python}", file=sys.stderr)
-        self.process = subprocess.Popen([python, os.path.abspath(__file__), "--paddle-worker"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True)
-
-    def measure(self, job: str, inner: int) -> dict | None:
-        assert self.process.stdin is not None and self.process.stdout is not None
-        try:
-            self.process.stdin.write(f"{job} {inner}\n")
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            return None
-        for line in self.process.stdout:
-            if line.startswith(RESULT_TAG):
-                return json.loads(line[len(RESULT_TAG):])
-        print(f"paddle: the worker exited with status {self.process.wait()}", file=sys.stderr)
-        return None
-
-    def close(self) -> None:
-        if self.process.stdin:
-            self.process.stdin.close()
-        self.process.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="61x256",
@@ -186,13 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"paddle: skipped (no {PADDLE_PYTHON}; pass --paddle-python)",
                   file=sys.stderr)
         else:
-            worker = PaddleWorker(args.paddle_python)
+            worker = Worker("paddle", [args.paddle_python, os.path.abspath(__file__),
+                                       "--paddle-worker"], RESULT_TAG)
     rows = []
     for job in sizes + cases:
         inner = 1 if job in sizes else args.inner
         paddle_runs, aoa_runs = [], []
         for _ in range(args.rounds):
-            if worker is not None and (result := worker.measure(job, inner)):
+            if worker is not None and (result := worker.measure(f"{job} {inner}")):
                 paddle_runs.append(result)
             aoa_runs.append(measure(AOAEngine, ShardedWeightDesc, job, inner))
         paddle = min(paddle_runs, key=lambda r: r["seconds"]) if paddle_runs else None
