@@ -10,6 +10,8 @@ hundred experts or heads, tensors of billions of elements).
 
 from __future__ import annotations
 
+import os
+
 #: Digits of a number in AOA text (axis=, num_heads=, NAME[a:b]): any count that fits int64.
 MAX_NUMBER_DIGITS = 18
 
@@ -53,3 +55,11 @@ def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
         if size > MAX_BYTES:
             return f"would hold more than {MAX_BYTES} bytes (2**63 - 1)"
     return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the system has one): the
+    bound on the threads every part of aoa starts."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

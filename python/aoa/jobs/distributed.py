@@ -55,7 +55,7 @@ def threads_per_rank() -> int | None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if local <= 1:
         return None
-    from aoa.runtime.executor import usable_cpus
+    from aoa.limits import usable_cpus
 
     return max(1, usable_cpus() // local)
 

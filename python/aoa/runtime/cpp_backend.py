@@ -12,8 +12,9 @@ import numpy as np
 
 import aoa._core as _core
 from aoa.errors import ExecutionError, UsageError
+from aoa.limits import usable_cpus
 from aoa.runtime.copies import Copy, check_fields
-from aoa.runtime.executor import VanishedBuffer, usable_cpus
+from aoa.runtime.executor import VanishedBuffer
 
 #: Paddle dtype name -> the kernel's code (enum aoa::Dtype in cpp/casts.hpp), as the
 #: kernel itself says.

@@ -8,7 +8,6 @@ bounded by what it holds. A piece is a whole destination shard or a range of its
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -35,13 +34,6 @@ class VanishedBuffer(ExecutionError):
         self.role = role
         self.index = index
         self.offset = offset
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, where the system has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _run(backend: str, copies: Sequence[Copy], sources: Sequence[Buffer],

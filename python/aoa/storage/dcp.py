@@ -24,7 +24,6 @@ A box held by several ranks is written once, as DCP's planner keeps one copy.
 from __future__ import annotations
 
 import math
-import os
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ from typing import Any, ClassVar, cast
 
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
+from aoa.limits import usable_cpus
 from aoa.storage import pickler, unpickler
 from aoa.storage.chunks import Chunk, key_shards
 from aoa.storage.formats import Destination, FileLayout, Fill, Format, OutputFile, Piece, Source
@@ -414,7 +414,7 @@ class DcpDestination(Destination):
                   for item in items])
             # headers and CRC-32s, archives in parallel (zlib releases the GIL)
             views = [writer.view(item.offset, item.layout.nbytes) for item in items]
-            with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+            with ThreadPoolExecutor(usable_cpus()) as pool:
                 list(pool.map(lambda item, view: item.layout.write(view), items, views))
             for placed in self._objects():
                 if placed.file == file.filename:
