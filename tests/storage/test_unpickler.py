@@ -141,3 +141,67 @@ def test_build_on_a_plain_value_is_refused():
     data = b"\x80\x02]}b."  # BUILD a list with a dict
     with pytest.raises(StorageError, match="BUILD on a list"):
         unpickler.load(data, "x", {})
+
+
+# -- load_metadata: Python's C unpickler, restricted, with the machine behind it for errors ---
+
+@settings(max_examples=100, deadline=None)
+@given(value=plain, protocol=st.integers(0, 5))
+def test_metadata_reads_plain_values_as_the_machine_does(value, protocol):
+    data = pickle.dumps(value, protocol=protocol)
+    assert unpickler.load_metadata(data, "x", {}) == unpickler.load(data, "x", {})
+
+
+@pytest.mark.parametrize("fixture", ["dcp/tp2/.metadata", "dcp/fsdp4/.metadata",
+                                     "torch_dist/tp2/.metadata", "paddle/tp2/0.metadata",
+                                     "paddle/flat4/0.metadata"])
+def test_metadata_files_read_as_the_machine_reads_them(fixture):
+    from aoa.storage import dcp, paddle
+
+    allowed = paddle.ALLOWED if fixture.startswith("paddle") else dcp.ALLOWED
+    data = (Path(__file__).parent.parent / "fixtures" / fixture).read_bytes()
+    assert repr(unpickler.load_metadata(data, "m", allowed)) == repr(
+        unpickler.load(data, "m", allowed))
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 4])
+def test_metadata_refuses_a_forbidden_class_with_the_machines_message(protocol):
+    data = pickle.dumps(collections.Counter(a=1), protocol=protocol)
+    with pytest.raises(StorageError) as caught:
+        unpickler.load_metadata(data, Path("ckpt/0.metadata"),
+                                {("collections", "OrderedDict"): dict})
+    assert caught.value.message == (
+        "ckpt/0.metadata: the pickle asks for 'collections.Counter', which aoa does not load")
+
+
+def test_metadata_never_runs_a_function(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(StorageError, match=r"'posix\.system'|'os\.system'"):
+        unpickler.load_metadata(pickle.dumps(_Exploit(str(marker)), protocol=2), "evil.pkl",
+                                unpickler.records("collections.OrderedDict"))
+    assert not marker.exists()
+
+
+def test_metadata_cannot_rename_a_shared_record_class():
+    allowed = unpickler.records("torch.Size")
+    # GLOBAL torch.Size, then BUILD it with the slot state {"module": "os"}
+    data = b"\x80\x02ctorch\nSize\nN}X\x06\x00\x00\x00moduleX\x02\x00\x00\x00oss\x86b."
+    with pytest.raises(StorageError, match="BUILD on a torch.Size"):
+        unpickler.load_metadata(data, "x", allowed)
+    assert allowed[("torch", "Size")].module == "torch"
+
+
+def test_metadata_refuses_a_record_built_twice():
+    allowed = unpickler.records(f"{__name__}.Point")
+    data = bytearray(pickle.dumps(Point(3), protocol=2))
+    assert data.endswith(b"b.")
+    data[-1:] = b"}b."  # a second BUILD with an empty state
+    with pytest.raises(StorageError, match=r"BUILD twice on a .*Point"):
+        unpickler.load_metadata(bytes(data), "x", allowed)
+
+
+@pytest.mark.parametrize("cut", [1, 5, 20, -2])
+def test_metadata_cut_short_is_the_machines_error(cut):
+    data = pickle.dumps({"n": [1, 2, 3], "s": "x" * 100}, protocol=4)
+    with pytest.raises(StorageError, match=r"^error: x\.metadata: truncated"):
+        unpickler.load_metadata(data[:cut], "x.metadata", {})

@@ -108,8 +108,8 @@ def read_metadata(data: memoryview, where: Path
                   ) -> tuple[dict[str, DcpTensor], dict[str, DcpObject]]:
     """The tensors of the metadata pickle at ``where`` (every field checked), and the items
     saved as bytes."""
-    fields = unpickler.fields(unpickler.load(data, where, ALLOWED), f"{_MD}.Metadata", where,
-                              "the metadata")
+    fields = unpickler.fields(unpickler.load_metadata(data, where, ALLOWED),
+                              f"{_MD}.Metadata", where, "the metadata")
     state, storage = fields.get("state_dict_metadata"), fields.get("storage_data")
     if not isinstance(state, dict) or not isinstance(storage, dict):
         raise StorageError(f"{where}: the metadata has no state_dict_metadata and "

@@ -100,7 +100,7 @@ class PaddleMetadata:
 
 def read_metadata(data: memoryview, where: Path) -> PaddleMetadata:
     """The metadata pickle at ``where``, every field checked."""
-    value = unpickler.load(data, where, ALLOWED)
+    value = unpickler.load_metadata(data, where, ALLOWED)
     fields = unpickler.fields(value, f"{_META}.Metadata", where, "the metadata")
     state = fields.get("state_dict_metadata")
     storage = fields.get("storage_metadata")
