@@ -186,7 +186,7 @@ def test_metadata_cannot_rename_a_shared_record_class():
     allowed = unpickler.records("torch.Size")
     # GLOBAL torch.Size, then BUILD it with the slot state {"module": "os"}
     data = b"\x80\x02ctorch\nSize\nN}X\x06\x00\x00\x00moduleX\x02\x00\x00\x00oss\x86b."
-    with pytest.raises(StorageError, match="BUILD on a torch.Size"):
+    with pytest.raises(StorageError, match=r"BUILD on a torch\.Size"):
         unpickler.load_metadata(data, "x", allowed)
     assert allowed[("torch", "Size")].module == "torch"
 

@@ -162,7 +162,7 @@ def load_metadata(data: bytes | bytearray | memoryview, where: str | Path,
     table = {**PLAIN, **allowed}
     try:
         return _RestrictedUnpickler(io.BytesIO(data), table).load()
-    except Exception:  # noqa: BLE001 - read again below, for the exact error
+    except Exception:  # read again below, for the exact error
         pass
     return load(data, where, allowed)
 
