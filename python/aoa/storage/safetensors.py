@@ -33,6 +33,7 @@ from aoa.layout import ShardDesc
 from aoa.limits import MAX_DIMS, shape_problem
 from aoa.storage.folder import sync_folder
 from aoa.storage.formats import FileLayout, ShardSpan
+from aoa.storage.pages import PageRelease
 
 if TYPE_CHECKING:  # reading headers and mapping files needs no numpy: imported when used
     import numpy as np
@@ -78,6 +79,7 @@ class SafetensorsFile:
         self.metadata = metadata
         self.tensors = tensors
         self._mapping: mmap.mmap | None = mapping
+        self._pages = PageRelease(mapping)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SafetensorsFile:
@@ -117,15 +119,13 @@ class SafetensorsFile:
     def release(self, name: str) -> None:
         """Drop tensor ``name``'s pages from this process's memory (they stay in the page
         cache, and come back on the next read): keeps a long conversion's resident size
-        near what it is writing, not everything it has read."""
+        near what it is writing, not everything it has read. In batches (`PageRelease`)."""
         info = self._info(name)
-        if self._mapping is None or not info.nbytes or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start = info.offset - info.offset % mmap.PAGESIZE
-        self._mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+        self._pages.release(info.offset, info.nbytes)
 
     def close(self) -> None:
         """Unmap the file. Views still held elsewhere keep the mapping alive until they go."""
+        self._pages.close()
         if self._mapping is not None:
             _unmap(self._mapping)
             self._mapping = None
