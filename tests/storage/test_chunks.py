@@ -38,7 +38,8 @@ def both_ways(read):
 def chunk_sets(draw) -> tuple[dict[str, list[Chunk]], dict[str, tuple[int, ...]] | None]:
     """Keys whose chunks are a shape cut along one axis (some replicated, in any order),
     each possibly spoiled: a box moved or resized, a dtype or rank changed, a box of the
-    wrong type; with the global shapes, or without them, or with a wrong one."""
+    wrong type; perhaps a key stored as another is; with the global shapes, or without
+    them, or with a wrong one."""
     found: dict[str, list[Chunk]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for key in draw(st.lists(st.sampled_from(["w", "a", "b.c", "é", "x\ud800"]), min_size=1,
@@ -72,6 +73,10 @@ def chunk_sets(draw) -> tuple[dict[str, list[Chunk]], dict[str, tuple[int, ...]]
         found[key] = [Chunk(offset_size[1], offset_size[0], dtype, Path(f"f{i}"), i)
                       for i, (*offset_size, dtype) in enumerate(boxes)]
         shapes[key] = shape if spoil != 5 else (*shape[:-1], shape[-1] + 1) if rank else (1,)
+    if draw(st.booleans()):  # a key stored as another is (the bulk checks remember those)
+        like = draw(st.sampled_from(sorted(found)))
+        found["like"] = [chunk._replace(location=-1 - n) for n, chunk in enumerate(found[like])]
+        shapes["like"] = shapes[like]
     given_shapes = draw(st.sampled_from([None, shapes]))
     if spoil == 6:
         found["wrong type"] = [Chunk((1,), (0,), "float32", Path("f"), 0)]

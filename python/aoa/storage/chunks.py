@@ -45,11 +45,24 @@ def shards_by_key(found: Mapping[str, Sequence[Chunk]],
     checked in bulk. ``global_shapes``: each key's, as the format records it; None: where
     its furthest chunk ends."""
     typed = _well_typed(found)
+    cuts: dict[object, tuple[list[int], tuple[int, ...]] | None] = {}
     result = {}
     for key, chunks in found.items():
         global_shape = None if global_shapes is None else global_shapes[key]
-        result[key] = ((typed and _cut_along_one_axis(key, chunks, global_shape))
-                       or _checked_closely(key, chunks, global_shape))
+        cut = None
+        if typed and (global_shape is None or (type(global_shape) is tuple
+                      and _INT_ONLY.issuperset(map(type, global_shape)))):
+            # keys stored alike (the experts of a layer) share the test's answer
+            boxes = (tuple(map(_BOX_AND_DTYPE, chunks)), global_shape)
+            cut = cuts[boxes] if boxes in cuts else cuts.setdefault(
+                boxes, _cut_along_one_axis(chunks, global_shape))
+        if cut is None:
+            result[key] = _checked_closely(key, chunks, global_shape)
+            continue
+        positions, shape = cut
+        dtype = chunks[0].dtype
+        result[key] = [(_unchecked(key, chunk.local_shape, shape, chunk.global_offset, dtype),
+                        chunk.location) for chunk in map(chunks.__getitem__, positions)]
     return result
 
 
@@ -115,24 +128,23 @@ def _well_typed(found: Mapping[str, Sequence[Chunk]]) -> bool:
             and _INT_ONLY.issuperset(map(type, itertools.chain.from_iterable(sizes))))
 
 
-def _cut_along_one_axis(key: str, chunks: Sequence[Chunk],
-                        global_shape: tuple[int, ...] | None
-                        ) -> list[tuple[ShardDesc, object]] | None:
-    """`key_shards` of well-typed chunks (`_well_typed`) that are the whole tensor, or
-    pieces of it cut along one axis, edge to edge, all of one dtype; None for any others.
-    Such chunks pass every check of `key_shards` and of `ShardDesc`, so their shards are
-    made unchecked."""
+def _cut_along_one_axis(chunks: Sequence[Chunk], global_shape: tuple[int, ...] | None
+                        ) -> tuple[list[int], tuple[int, ...]] | None:
+    """Where ``chunks`` (well typed: `_well_typed`) are the whole tensor, or pieces of it
+    cut along one axis, edge to edge, all of one dtype: the positions of the distinct ones
+    sorted by global offset, and the global shape. None for any others. Such chunks pass
+    every check of `key_shards` and of `ShardDesc`, so their shards are made unchecked."""
     first = chunks[0]
     dtype, rank = first.dtype, len(first.local_shape)
+    positions = [0]
     if len(chunks) > 1:
         if not ({dtype}.issuperset(map(_DTYPE, chunks))
                 and {rank}.issuperset(map(len, map(_LOCAL_SHAPE, chunks)))):
             return None
-        chunks = sorted(chunks, key=_GLOBAL_OFFSET)
-        if len(set(map(_BOX, chunks))) < len(chunks):  # replicas: the first of each counts
-            chunks = [chunks[i] for i in distinct_boxes(chunks)]
-        first = chunks[0]
-    last = chunks[-1]
+        ordered = sorted(range(len(chunks)), key=lambda i: chunks[i].global_offset)
+        positions = [ordered[i] for i in distinct_boxes([chunks[i] for i in ordered])]
+        first = chunks[positions[0]]
+    last = chunks[positions[-1]]
     shape = (tuple(map(operator.add, last.global_offset, last.local_shape))
              if global_shape is None else global_shape)
     if (type(shape) is not tuple or len(shape) != rank
@@ -144,8 +156,8 @@ def _cut_along_one_axis(key: str, chunks: Sequence[Chunk],
     rest = shape[:axis] + shape[axis + 1:]
     zeros = (0,) * (rank - 1)
     end = 0
-    for chunk in chunks:
-        offset, size = chunk.global_offset, chunk.local_shape
+    for position in positions:
+        offset, size = chunks[position].global_offset, chunks[position].local_shape
         if rank and (offset[axis] != end or size[axis] <= 0
                      or size[:axis] + size[axis + 1:] != rest
                      or offset[:axis] + offset[axis + 1:] != zeros):
@@ -153,8 +165,7 @@ def _cut_along_one_axis(key: str, chunks: Sequence[Chunk],
         end += size[axis] if rank else 1
     if end != (shape[axis] if rank else 1):
         return None
-    return [(ShardDesc.unchecked(key, chunk.local_shape, shape, chunk.global_offset, dtype),
-             chunk.location) for chunk in chunks]
+    return positions, shape
 
 
 _INT_ONLY = frozenset({int})
@@ -163,7 +174,8 @@ _TUPLE_ONLY = frozenset({tuple})
 _GLOBAL_OFFSET = operator.attrgetter("global_offset")
 _LOCAL_SHAPE = operator.attrgetter("local_shape")
 _DTYPE = operator.attrgetter("dtype")
-_BOX = operator.attrgetter("global_offset", "local_shape")
+_BOX_AND_DTYPE = operator.attrgetter("global_offset", "local_shape", "dtype")
+_unchecked = ShardDesc.unchecked
 
 
 def check_tiling(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> None:
