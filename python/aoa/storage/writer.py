@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import queue
@@ -128,7 +129,8 @@ def _items(path: Path, layout: FileLayout) -> tuple[list[tuple[int, bytes]], _Sp
     """Fixed bytes and shards in file order, checked to lie apart inside the file."""
     fixed = sorted(((offset, data) for offset, data in layout.fixed if data),
                    key=lambda item: item[0])
-    table = np.array(layout.shards, np.int64).reshape(-1, 4)
+    table = np.fromiter(itertools.chain.from_iterable(layout.shards), np.int64,
+                        count=4 * len(layout.shards)).reshape(-1, 4)
     table = table[table[:, 2] > 0]
     table = table[np.argsort(table[:, 1], kind="stable")]
     spans = _Spans(*(np.ascontiguousarray(column) for column in table.T))
