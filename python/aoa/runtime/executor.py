@@ -64,8 +64,9 @@ class PlanExecutor:
     """Fills destination shards of ``plan`` from source buffers.
 
     ``source_buffer(i)`` returns the buffer of ``plan.sources[i]`` (C order, its dtype);
-    it is asked once per source shard, when a copy first needs it. ``release(i)``, if
-    given, is told after each fill which source shards it read (to drop their pages).
+    it is asked once per source shard, when a copy first needs it. ``release(indices)``,
+    if given, is told after each fill which source shards it read, all at once (to drop
+    their pages).
     ``clear_untouched``: zero the pieces of shards no copy writes (``_ -> X``), for
     buffers that are not fresh (a file's staging buffers); else they are left as they are
     (the caller's arrays). ``source_file(i)`` names the file behind source shard ``i``: a
@@ -78,7 +79,7 @@ class PlanExecutor:
     def __init__(self, plan: Plan, source_buffer: Callable[[int], Buffer], *,
                  backend: str = "cpp", threads: int | None = None,
                  progress: Callable[[int], None] | None = None,
-                 release: Callable[[int], None] | None = None,
+                 release: Callable[[list[int]], None] | None = None,
                  clear_untouched: bool = False,
                  source_file: Callable[[int], object] | None = None) -> None:
         if backend not in BACKENDS:
@@ -172,7 +173,11 @@ class PlanExecutor:
         used, slots = np.unique(table[where], return_inverse=True)
         table[where] = slots
         used_list = used.tolist()
-        sources = [self._source(index) for index in used_list]
+        cached = self._sources
+        for index in used_list:
+            if index not in cached:
+                cached[index] = self._source_buffer(index)
+        sources = [cached[index] for index in used_list]
         try:
             _run(self.backend, table, sources, destinations, windows, self.threads)
         except VanishedBuffer as vanished:
@@ -185,14 +190,7 @@ class PlanExecutor:
                 hint="Something truncated or rewrote the file during the conversion; "
                      "run it again once the file is whole.") from None
         if self._release is not None:
-            for index in used_list:
-                self._release(index)
-
-    def _source(self, index: int) -> Buffer:
-        buffer = self._sources.get(index)
-        if buffer is None:
-            buffer = self._sources[index] = self._source_buffer(index)
-        return buffer
+            self._release(used_list)
 
 
 def _zero(buffer: Buffer) -> None:
