@@ -18,6 +18,7 @@ from aoa.plan import Plan
 from aoa.runtime.copies import Copy
 from aoa.runtime.kernel_table import DESTINATION, SOURCE, PlanTable, Records, pack_records
 from aoa.runtime.lower import cut_elements, lower
+from aoa.runtime.releases import SourceReleases
 from aoa.storage.formats import Piece
 from aoa.storage.writer import StagedPieces
 
@@ -65,8 +66,9 @@ class PlanExecutor:
 
     ``source_buffer(i)`` returns the buffer of ``plan.sources[i]`` (C order, its dtype);
     it is asked once per source shard, when a copy first needs it. ``release(indices)``,
-    if given, is told after each fill which source shards it read, all at once (to drop
-    their pages).
+    if given, is told after a fill, all at once, which source shards to drop the pages of
+    (`aoa.runtime.releases`: those read for the last time, or all those kept once they
+    pass a bound).
     ``clear_untouched``: zero the pieces of shards no copy writes (``_ -> X``), for
     buffers that are not fresh (a file's staging buffers); else they are left as they are
     (the caller's arrays). ``source_file(i)`` names the file behind source shard ``i``: a
@@ -89,10 +91,10 @@ class PlanExecutor:
         self.threads = threads
         self.progress = progress
         self._source_buffer = source_buffer
-        self._release = release
         self._source_file = source_file
         self._sources: dict[int, Buffer] = {}
         self._table = PlanTable(plan)
+        self._releases = None if release is None else SourceReleases(self._table, plan, release)
         self._untouched = (np.array(sorted(set(plan.untouched)), np.int64) if clear_untouched
                            else np.zeros(0, np.int64))
 
@@ -125,7 +127,9 @@ class PlanExecutor:
                 _zero(pieces[slot].buffer)
         records = self._records(shards, firsts, lasts)
         if len(records.starts) > 1:
-            self._run(records, destinations, windows)
+            read = self._run(records, destinations, windows)
+            if self._releases is not None:
+                self._releases.filled(shards, firsts, lasts, read)
         if self.progress is not None:
             self.progress(filled)
 
@@ -164,9 +168,9 @@ class PlanExecutor:
         return lowered
 
     def _run(self, records: Records, destinations: Sequence[Buffer],
-             windows: np.ndarray | None) -> None:
+             windows: np.ndarray | None) -> np.ndarray:
         """Run ``records`` (sources by plan index), the sources renumbered to the buffers
-        the fill reads."""
+        the fill reads; the source shards read."""
         plan, table = self.plan, records.table
         where = np.concatenate([records.starts[:-1] + SOURCE,
                                 records.scales[records.scales >= 0]])
@@ -189,8 +193,7 @@ class PlanExecutor:
                 f"it: byte {vanished.offset} of tensor '{shard.key}' is no longer in the file",
                 hint="Something truncated or rewrote the file during the conversion; "
                      "run it again once the file is whole.") from None
-        if self._release is not None:
-            self._release(used_list)
+        return used
 
 
 def _zero(buffer: Buffer) -> None:
