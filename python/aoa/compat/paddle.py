@@ -49,9 +49,9 @@ class AOAEngine:
     others (``enable_traceback``) are accepted and ignored: aoa errors always say where
     they come from.
 
-    With a destination, every shard of it is planned (and so checked) here, once; a query
-    for one of them, by an equal descriptor of any class, is answered from the pieces that
-    planning found, and any other box is checked when asked."""
+    With a destination, every shard of it is answered (and so checked) here, once; a query
+    for one of them, by an equal descriptor of any class, is answered from the pieces found
+    then, and any other box is checked when asked."""
 
     def __init__(self, aoa_config: Mapping, source_state_shard_info: Mapping,
                  destination_state_shard_info: Mapping | None = None) -> None:
@@ -69,10 +69,8 @@ class AOAEngine:
         self.destination = ctx.destination
         self.compilation = compile_in(ctx, self.statements, passes=through(propagate_shapes))
         self._planner = Planner(self.compilation.tensors, ctx)
-        if self.destination is not None:
-            # every shard planned (so checked) here: wrong programs are refused before any
-            # byte moves, not at the query that hits them
-            self.compilation.plan(planner=self._planner)
+        #: destination key -> the answers of its declared shards and the keys they read
+        self._planned: dict[str, tuple[list[list[Entry]], Sequence[str]]] = {}
         #: ops of a piece -> Paddle's postprocess list of them, as a tuple
         self._postprocess: dict[tuple[Op, ...], tuple[str, ...]] = {}
         #: id of a planned key's answers -> the Paddle entries' parts, by position
@@ -81,6 +79,10 @@ class AOAEngine:
         #: -> the shard and its position among its key's
         self._boxes: dict[tuple, tuple[ShardDesc, int]] = {}
         with collector_paused():
+            if self.destination is not None:
+                # every shard answered (so checked) here: wrong programs are refused before
+                # any byte moves, not at the query that hits them
+                self._planned = self._planner.answer_declared()
             # made here, with what was planned, not query by query: hundreds of thousands
             # of objects that outlive the queries would set the collector walking the
             # whole plan in the middle of them
@@ -88,7 +90,7 @@ class AOAEngine:
                 for position, s in enumerate(shards):
                     self._boxes[s.key, s.global_offset, s.local_shape, s.global_shape,
                                 s.dtype] = (s, position)
-            for key_answers, _ in self._planner.planned_answers.values():
+            for key_answers, _ in self._planned.values():
                 if id(key_answers) not in self._forms:
                     self._forms[id(key_answers)] = [self._form(answer)
                                                     for answer in key_answers]
@@ -102,15 +104,11 @@ class AOAEngine:
         if planned is None:
             return self._answer_unplanned(as_shard(target))
         shard, position = planned
-        answers = self._planner.planned_answers.get(shard.key)
+        answers = self._planned.get(shard.key)
         if answers is None:  # declared with `_ -> X`
             return []
         key_answers, read_keys = answers
-        forms = self._forms.get(id(key_answers))
-        if forms is None:  # planned after construction: not by the engine
-            forms = self._forms[id(key_answers)] = [self._form(answer)
-                                                    for answer in key_answers]
-        form = forms[position]
+        form = self._forms[id(key_answers)][position]
         unchecked = _unchecked
         source = self.source
         if len(form) == 1:  # the one piece of a planned shard covers all of it
