@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import lt
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
@@ -221,9 +222,12 @@ def intersect(piece_map: PieceMap, lo: Box, hi: Box) -> list[Entry]:
         return result
     result = []
     for p in piece_map.pieces:
+        # most pieces of a big map lie outside the box: told apart before any tuple is made
+        if not (all(map(lt, lo, p.target_hi)) and all(map(lt, p.target_lo, hi))):
+            continue
         i_lo = tuple(map(max, lo, p.target_lo))
         i_hi = tuple(map(min, hi, p.target_hi))
-        if any(a >= b for a, b in zip(i_lo, i_hi)):
+        if not all(map(lt, i_lo, i_hi)):
             continue
         order = p.order
         if order is None:
