@@ -126,13 +126,19 @@ class _Expander:
 
     def expand(self, statement: Statement) -> list[Statement]:
         names = _names(statement)
-        macros = [self.layer_id_offset, self.ids]
+        texts = "\n".join([n.text for n in names])  # names hold no newline
+        macros = []
+        if "$LAYER_ID" in texts or "$EXPERT_ID" in texts:  # $LAYER_ID_OFFSET too
+            macros += [self.layer_id_offset, self.ids]
         # filling in ids and offsets makes no `[a:b]` and no `*`: a statement without them
         # skips those two macros for all of its (maybe thousands of) instances
         if any(n.array for n in names):
             macros.append(self.arrays)
-        if any("*" in n.text for n in names):
+        if "*" in texts:
             macros.append(self.stars)
+        if not macros:
+            self.expanded.append(statement)
+            return [statement]
         result = [statement]
         for macro in macros:
             result = [out for s in result for out in macro(s)]
@@ -229,7 +235,8 @@ class _Expander:
             # Spec 0.5: a template over temporaries expands over the ids they were made with.
             self._match_ids(template, produced, values)
         for name in names:
-            missing = [p for p in found if p[1:] not in name.text]
+            missing = [p for p in found if p[1:] not in name.text] if len(found) > 1 else (
+                found if found[0][1:] not in name.text else ())
             if missing:
                 raise MacroError(
                     f"'{name.text}' lacks {', '.join(missing)}, which every name of this "
@@ -237,7 +244,7 @@ class _Expander:
                     hint="All names of a $LAYER_ID / $EXPERT_ID statement must use the same "
                          "placeholders.")
         ordered = tuple(sorted(found))
-        instances = math.prod(len(values[p]) for p in ordered)
+        instances = math.prod([len(numbers) for numbers in values.values()])
         if instances > MAX_TEMPLATE_INSTANCES:
             counts = " times ".join(f"{len(values[p])} {p}" for p in ordered)
             raise MacroError(
