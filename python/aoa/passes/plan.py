@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from operator import add, attrgetter
+from operator import add, attrgetter, sub
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa import symbolic
@@ -73,6 +73,21 @@ def _distinct_positions(shards: Sequence[ShardDesc]) -> list[int] | None:
     as the shards came in, that these tile the global shape exactly."""
     positions = distinct_boxes(shards)
     return None if len(positions) == len(shards) else positions
+
+
+def _side_by_side(boxes: Sequence[tuple[Box, Box, str]]) -> bool:
+    """Whether ``boxes`` (lo, hi, source key) are alike on every axis but one, along which
+    none overlaps the next: then no two share an element, which is told without comparing
+    every pair (the pieces of a fused tensor lie so); False does not say they overlap."""
+    first_lo, first_hi, _ = boxes[0]
+    for axis in range(len(first_lo)):
+        lo_rest = first_lo[:axis] + first_lo[axis + 1:]
+        hi_rest = first_hi[:axis] + first_hi[axis + 1:]
+        if all(lo[:axis] + lo[axis + 1:] == lo_rest and hi[:axis] + hi[axis + 1:] == hi_rest
+               for lo, hi, _ in boxes):
+            extents = sorted([(lo[axis], hi[axis]) for lo, hi, _ in boxes])
+            return all(end <= start for (_, end), (start, _) in itertools.pairwise(extents))
+    return False
 
 
 def _describe(shard: ShardDesc) -> str:
@@ -279,8 +294,8 @@ class Planner:
     def _check_coverage(self, target: ShardDesc, tensor: Tensor, boxes) -> None:
         """Every element of ``target`` written exactly once; boxes are (lo, hi, source key)."""
         wanted = prod(target.local_shape)
-        covered = sum(prod(b - a for a, b in zip(lo, hi)) for lo, hi, _ in boxes)
-        ordered = sorted(boxes)
+        covered = sum([prod(map(sub, hi, lo)) for lo, hi, _ in boxes])
+        ordered = [] if len(boxes) < 2 or _side_by_side(boxes) else sorted(boxes)
         for i, (lo, hi, key) in enumerate(ordered):
             for lo2, hi2, key2 in ordered[i + 1:]:
                 if lo2[0] >= hi[0]:
