@@ -197,26 +197,31 @@ std::vector<CastStep> cast_steps(size_t copy, const std::vector<Dtype>& chain) {
 
 // Drop unit axes, order by destination stride, merge axes that are contiguous on both
 // sides (a contiguous tensor becomes one row, one memcpy), and tile a transpose.
+// (In place, with no allocation: a plan of many small tensors has hundreds of thousands of
+// copies, and a heap allocation per step of this cost as much as copying their bytes.)
 void simplify(PreparedCopy& copy) {
   std::vector<Axis>& axes = copy.axes;
   axes.erase(std::remove_if(axes.begin(), axes.end(), [](const Axis& a) { return a.extent == 1; }),
              axes.end());
-  std::stable_sort(axes.begin(), axes.end(), [](const Axis& a, const Axis& b) {
-    return std::llabs(a.destination_stride) > std::llabs(b.destination_stride);
-  });
-  std::vector<Axis> merged;
+  // A stable insertion sort: a copy has a few axes (std::stable_sort allocates a buffer).
+  for (size_t i = 1; i < axes.size(); ++i)
+    for (size_t j = i; j > 0 && std::llabs(axes[j - 1].destination_stride) <
+                                    std::llabs(axes[j].destination_stride);
+         --j)
+      std::swap(axes[j - 1], axes[j]);
+  size_t kept = 0;
   for (const Axis& axis : axes) {
-    if (!merged.empty()) {
-      Axis& outer = merged.back();
+    if (kept > 0) {
+      Axis& outer = axes[kept - 1];
       if (outer.source_stride == axis.source_stride * axis.extent &&
           outer.destination_stride == axis.destination_stride * axis.extent) {
         outer = {outer.extent * axis.extent, axis.source_stride, axis.destination_stride};
         continue;
       }
     }
-    merged.push_back(axis);
+    axes[kept++] = axis;
   }
-  axes = std::move(merged);
+  axes.resize(kept);
 
   copy.tiled = false;
   if (axes.size() < 2) return;
@@ -435,6 +440,7 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
                    sources[static_cast<size_t>(scale.source)], source_dtype);
     return copy;
   }
+  copy.axes.reserve(static_cast<size_t>(ndim));
   for (int64_t k = 0; k < ndim; ++k)
     copy.axes.push_back({shape[k], source_strides[k], destination_strides[k]});
   simplify(copy);

@@ -43,14 +43,12 @@ class Compilation:
         """The statements after expansion, the ones that made the tensors."""
         return self.tensors.program
 
-    def plan(self, targets: Sequence[ShardDesc] | None = None, *,
-             planner: Planner | None = None) -> Plan:
-        """The plan of every destination shard, or of ``targets`` (any boxes of outputs),
-        made by ``planner`` if given (one that keeps what it planned, to answer from)."""
+    def plan(self, targets: Sequence[ShardDesc] | None = None) -> Plan:
+        """The plan of every destination shard, or of ``targets`` (any boxes of outputs)."""
         if targets is None and self.planned is not None:
             return self.planned
         with collector_paused():
-            plan = (planner or Planner(self.tensors, self.ctx)).plan(targets)
+            plan = Planner(self.tensors, self.ctx).plan(targets)
         if targets is None:
             self.planned = plan
         return plan

@@ -174,11 +174,11 @@ def write(conversion: Conversion, destination: Destination, files: Sequence[Outp
     The cyclic garbage collector waits meanwhile: the write makes a few short-lived objects
     per copy and no cycles, while each of its full collections walks the whole plan again
     (at 61x256, 189k copies: a third of the conversion's time, `bench/small_tensors.py`)."""
-    executor = conversion.job.executor(backend=backend, threads=threads, progress=progress,
-                                       clear_untouched=True)
     collecting = gc.isenabled()
     gc.disable()
     try:
+        executor = conversion.job.executor(backend=backend, threads=threads,
+                                           progress=progress, clear_untouched=True)
         return destination.write(executor.fill, files)
     finally:
         if collecting:

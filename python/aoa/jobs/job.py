@@ -92,8 +92,10 @@ class Job:
         ``clear_untouched``: see `PlanExecutor`."""
         plan, source = self.plan, self.source
 
-        def release(index: int) -> None:
-            source.release(plan.sources[index])
+        def release(indices: list[int]) -> None:
+            shards = plan.sources
+            for index in indices:
+                source.release(shards[index])
 
         def source_file(index: int) -> object:
             return source.file_of(plan.sources[index])

@@ -14,13 +14,16 @@ import numpy as np
 
 from aoa.dtypes import itemsize
 from aoa.errors import ExecutionError, StorageError
-from aoa.plan import Plan, PlannedCopy
+from aoa.plan import Plan
 from aoa.runtime.copies import Copy
+from aoa.runtime.kernel_table import DESTINATION, SOURCE, PlanTable, Records, pack_records
 from aoa.runtime.lower import cut_elements, lower
+from aoa.runtime.releases import SourceReleases
 from aoa.storage.formats import Piece
+from aoa.storage.writer import StagedPieces
 
 Buffer = object
-#: the backends run a list of runtime Copy records: (copies, sources, destinations, threads)
+#: the backends: the C++ kernel, and the numpy reference it is checked against
 BACKENDS = ("cpp", "numpy")
 
 
@@ -36,33 +39,49 @@ class VanishedBuffer(ExecutionError):
         self.offset = offset
 
 
-def _run(backend: str, copies: Sequence[Copy], sources: Sequence[Buffer],
-         destinations: Sequence[Buffer], threads: int | None) -> None:
+def _run(backend: str, table: np.ndarray, sources: Sequence[Buffer],
+         destinations: Sequence[Buffer], windows: np.ndarray | None, threads: int | None
+         ) -> None:
+    """Run the kernel table ``table`` (`aoa.runtime.kernel_table`); ``windows``, when given:
+    the destinations the table numbers are these (buffer, offset, bytes) ranges of
+    ``destinations``."""
     if backend == "numpy":
+        from aoa.runtime.kernel_table import unpack
+        from aoa.runtime.numpy_backend import byte_array
         from aoa.runtime.numpy_backend import execute_copies as run_numpy
 
-        run_numpy(copies, sources, destinations)
+        if windows is not None:
+            whole = [byte_array(b, f"destination {i}", writable=True)
+                     for i, b in enumerate(destinations)]
+            destinations = [whole[b][o:o + n] for b, o, n in windows.tolist()]
+        run_numpy(unpack(table), sources, destinations)
     else:
-        from aoa.runtime.cpp_backend import execute_copies as run_cpp
+        from aoa.runtime.cpp_backend import execute_table
 
-        run_cpp(copies, sources, destinations, threads)
+        execute_table(table, sources, destinations, threads, windows)
 
 
 class PlanExecutor:
     """Fills destination shards of ``plan`` from source buffers.
 
     ``source_buffer(i)`` returns the buffer of ``plan.sources[i]`` (C order, its dtype);
-    it is asked once per source shard, when a copy first needs it. ``release(i)``, if
-    given, is told after each fill which source shards it read (to drop their pages).
+    it is asked once per source shard, when a copy first needs it. ``release(indices)``,
+    if given, is told after a fill, all at once, which source shards to drop the pages of
+    (`aoa.runtime.releases`: those read for the last time, or all those kept once they
+    pass a bound).
     ``clear_untouched``: zero the pieces of shards no copy writes (``_ -> X``), for
     buffers that are not fresh (a file's staging buffers); else they are left as they are
     (the caller's arrays). ``source_file(i)`` names the file behind source shard ``i``: a
-    source cut short while it is read is then a StorageError naming it."""
+    source cut short while it is read is then a StorageError naming it.
+
+    The whole plan is lowered into one kernel table when the executor is made
+    (`aoa.runtime.kernel_table.PlanTable`); a fill takes the records of its pieces' shards
+    from it with numpy, and lowers only the copies of pieces that hold part of a shard."""
 
     def __init__(self, plan: Plan, source_buffer: Callable[[int], Buffer], *,
                  backend: str = "cpp", threads: int | None = None,
                  progress: Callable[[int], None] | None = None,
-                 release: Callable[[int], None] | None = None,
+                 release: Callable[[list[int]], None] | None = None,
                  clear_untouched: bool = False,
                  source_file: Callable[[int], object] | None = None) -> None:
         if backend not in BACKENDS:
@@ -72,67 +91,110 @@ class PlanExecutor:
         self.threads = threads
         self.progress = progress
         self._source_buffer = source_buffer
-        self._release = release
         self._source_file = source_file
         self._sources: dict[int, Buffer] = {}
-        self._by_destination = plan.copies_by_destination()
-        self._untouched = frozenset(plan.untouched) if clear_untouched else frozenset()
+        self._table = PlanTable(plan)
+        self._releases = None if release is None else SourceReleases(self._table, plan, release)
+        self._untouched = (np.array(sorted(set(plan.untouched)), np.int64) if clear_untouched
+                           else np.zeros(0, np.int64))
 
     def fill(self, pieces: Sequence[Piece]) -> None:
         """Run every copy into the pieces (all of a destination shard, or its elements
-        ``piece.elements``): a `Fill` for a destination format's writer."""
+        ``piece.elements``): a `Fill` for a destination format's writer. Pieces staged in
+        one buffer (`aoa.storage.writer.StagedPieces`) go to the kernel as that buffer."""
         plan = self.plan
-        planned: list[tuple[int, PlannedCopy, int]] = []
-        filled = 0
-        for slot, piece in enumerate(pieces):
-            shard = plan.destinations[piece.shard]
-            copies: Sequence[PlannedCopy] = self._by_destination[piece.shard]
-            base = 0
-            if piece.elements is not None:
-                start, stop = piece.elements
-                copies = list(cut_elements(copies, shard.local_shape, start, stop))
-                size = itemsize(shard.dtype or "float32")
-                base = start * size
-                filled += (stop - start) * size
-            else:
-                filled += shard.nbytes
-            if piece.shard in self._untouched:
-                np.frombuffer(piece.buffer, np.uint8).fill(0)  # type: ignore[call-overload]
-            planned += [(slot, c, base) for c in copies]
-        if planned:
-            scale_of = {c: scale for _, c, _ in planned
-                        if (scale := plan.scale_of(c)) is not None}
-            used = sorted({c.source for _, c, _ in planned}
-                          | {scale.scale for scale in scale_of.values()})
-            source_slot = {index: k for k, index in enumerate(used)}
-            sources = [self._source(index) for index in used]
-            copies_run = []
-            for slot, c, base in planned:
-                scale = scale_of.get(c)
-                scales = None if scale is None else (plan.sources[scale.scale],
-                                                     source_slot[scale.scale], scale.block)
-                copies_run.append(lower(c, plan.sources[c.source], plan.destinations[c.destination],
-                                        source_slot[c.source], slot, scales, base))
-            try:
-                _run(self.backend, copies_run, sources, [piece.buffer for piece in pieces],
-                     self.threads)
-            except VanishedBuffer as vanished:
-                if vanished.role != "source" or self._source_file is None:
-                    raise
-                shard = plan.sources[used[vanished.index]]
-                raise StorageError(
-                    f"{self._source_file(used[vanished.index])}: cut short while aoa read it: "
-                    f"byte {vanished.offset} of tensor '{shard.key}' is no longer in the file",
-                    hint="Something truncated or rewrote the file during the conversion; "
-                         "run it again once the file is whole.") from None
-            if self._release is not None:
-                for index in used:
-                    self._release(index)
+        windows: np.ndarray | None
+        if isinstance(pieces, StagedPieces):
+            shards, firsts, lasts = pieces.shards, pieces.firsts, pieces.lasts
+            destinations: list[Buffer] = [pieces.buffer]
+            windows = np.stack([np.zeros_like(pieces.offsets), pieces.offsets, pieces.nbytes],
+                               axis=1)
+            filled = int(pieces.nbytes.sum())
+        else:
+            shards = np.array([piece.shard for piece in pieces], np.int64)
+            firsts = np.array([-1 if p.elements is None else p.elements[0] for p in pieces],
+                              np.int64)
+            lasts = np.array([-1 if p.elements is None else p.elements[1] for p in pieces],
+                             np.int64)
+            destinations = [piece.buffer for piece in pieces]
+            windows = None
+            filled = sum(plan.destinations[piece.shard].nbytes if piece.elements is None else
+                         (piece.elements[1] - piece.elements[0])
+                         * itemsize(plan.destinations[piece.shard].dtype or "float32")
+                         for piece in pieces)
+        if len(self._untouched):
+            for slot in np.flatnonzero(np.isin(shards, self._untouched)).tolist():
+                _zero(pieces[slot].buffer)
+        records = self._records(shards, firsts, lasts)
+        if len(records.starts) > 1:
+            read = self._run(records, destinations, windows)
+            if self._releases is not None:
+                self._releases.filled(shards, firsts, lasts, read)
         if self.progress is not None:
             self.progress(filled)
 
-    def _source(self, index: int) -> Buffer:
-        buffer = self._sources.get(index)
-        if buffer is None:
-            buffer = self._sources[index] = self._source_buffer(index)
-        return buffer
+    def _records(self, shards: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> Records:
+        """The records filling the pieces (destination ``shards``, element ranges
+        [firsts, lasts) or whole where -1), piece ``i`` as destination ``i``; sources by
+        plan index."""
+        table = self._table
+        whole = np.flatnonzero(firsts < 0)
+        rows, of_piece = table.rows(shards[whole])
+        parts = [table.records.take(rows)]
+        parts[0].table[parts[0].starts[:-1] + DESTINATION] = whole[of_piece]
+        cut = np.flatnonzero(firsts >= 0).tolist()
+        if cut:
+            parts.append(Records(*pack_records(
+                [copy for slot in cut for copy in
+                 self._lower_part(slot, int(shards[slot]), int(firsts[slot]),
+                                  int(lasts[slot]))])))
+        return Records.join(parts)
+
+    def _lower_part(self, slot: int, index: int, start: int, stop: int) -> list[Copy]:
+        """The copies writing elements [start, stop) of destination shard ``index`` into
+        destination ``slot``, which holds them."""
+        plan, table = self.plan, self._table
+        shard = plan.destinations[index]
+        planned = [plan.copies[i] for i in
+                   table.plan_copies[table.firsts[index]:table.firsts[index + 1]].tolist()]
+        base = start * itemsize(shard.dtype or "float32")
+        lowered = []
+        for c in cut_elements(planned, shard.local_shape, start, stop):
+            scale = plan.scale_of(c)
+            scales = None if scale is None else (plan.sources[scale.scale], scale.scale,
+                                                 scale.block)
+            lowered.append(lower(c, plan.sources[c.source], shard, c.source, slot, scales,
+                                 base))
+        return lowered
+
+    def _run(self, records: Records, destinations: Sequence[Buffer],
+             windows: np.ndarray | None) -> np.ndarray:
+        """Run ``records`` (sources by plan index), the sources renumbered to the buffers
+        the fill reads; the source shards read."""
+        plan, table = self.plan, records.table
+        where = np.concatenate([records.starts[:-1] + SOURCE,
+                                records.scales[records.scales >= 0]])
+        used, slots = np.unique(table[where], return_inverse=True)
+        table[where] = slots
+        used_list = used.tolist()
+        cached = self._sources
+        for index in used_list:
+            if index not in cached:
+                cached[index] = self._source_buffer(index)
+        sources = [cached[index] for index in used_list]
+        try:
+            _run(self.backend, table, sources, destinations, windows, self.threads)
+        except VanishedBuffer as vanished:
+            if vanished.role != "source" or self._source_file is None:
+                raise
+            shard = plan.sources[used_list[vanished.index]]
+            raise StorageError(
+                f"{self._source_file(used_list[vanished.index])}: cut short while aoa read "
+                f"it: byte {vanished.offset} of tensor '{shard.key}' is no longer in the file",
+                hint="Something truncated or rewrote the file during the conversion; "
+                     "run it again once the file is whole.") from None
+        return used
+
+
+def _zero(buffer: Buffer) -> None:
+    np.frombuffer(buffer, np.uint8).fill(0)  # type: ignore[call-overload]

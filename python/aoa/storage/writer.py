@@ -24,14 +24,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import queue
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple, overload
+
+import numpy as np
 
 from aoa.errors import StorageError
-from aoa.storage.formats import FileLayout, Fill, Piece, ShardSpan
+from aoa.storage.formats import FileLayout, Fill, Piece
 
 #: Offsets, lengths and buffer addresses of direct writes are multiples of this.
 ALIGNMENT = 4096
@@ -80,18 +85,20 @@ def write_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffe
     """Write ``path`` as ``layout`` says, the shards' bytes from ``fill``, and fsync it.
     Returns whether it went around the page cache (direct I/O). A failure raises; the
     caller removes the file."""
-    items = _items(path, layout)
+    fixed, spans = _items(path, layout)
     fd, direct = _open(path, direct)
     try:
         _reserve(fd, path, layout.size)
         with _Writes(fd, path, direct, buffers) as writes:
             stream = _Stream(writes, fill)
-            for offset, item in items:
+            done = 0
+            for offset, data in fixed:
+                before = int(np.searchsorted(spans.offsets, offset))
+                stream.shards(spans.part(done, before))
+                done = before
                 stream.zeros(offset - stream.position)
-                if isinstance(item, bytes):
-                    stream.put(item)
-                else:
-                    stream.shard(item)
+                stream.put(data)
+            stream.shards(spans.part(done, len(spans.offsets)))
             stream.zeros(layout.size - stream.position)
             stream.flush(last=True)
             writes.finish()
@@ -106,20 +113,74 @@ def write_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffe
     return direct
 
 
-def _items(path: Path, layout: FileLayout) -> list[tuple[int, bytes | ShardSpan]]:
+class _Spans(NamedTuple):
+    """Shard spans as arrays, in file order."""
+
+    shards: np.ndarray
+    offsets: np.ndarray
+    nbytes: np.ndarray
+    itemsizes: np.ndarray
+
+    def part(self, start: int, stop: int) -> _Spans:
+        return _Spans(*(column[start:stop] for column in self))
+
+
+def _items(path: Path, layout: FileLayout) -> tuple[list[tuple[int, bytes]], _Spans]:
     """Fixed bytes and shards in file order, checked to lie apart inside the file."""
-    items: list[tuple[int, bytes | ShardSpan]] = [(offset, data) for offset, data in
-                                                 layout.fixed if data]
-    items += [(span.offset, span) for span in layout.shards if span.nbytes]
-    items.sort(key=lambda item: item[0])
-    end = 0
-    for offset, item in items:
-        nbytes = len(item) if isinstance(item, bytes) else item.nbytes
-        if offset < end or offset + nbytes > layout.size:
-            raise StorageError(f"{path}: the format laid out overlapping bytes at offset "
-                               f"{offset} (of {layout.size})")
-        end = offset + nbytes
-    return items
+    fixed = sorted(((offset, data) for offset, data in layout.fixed if data),
+                   key=lambda item: item[0])
+    table = np.fromiter(itertools.chain.from_iterable(layout.shards), np.int64,
+                        count=4 * len(layout.shards)).reshape(-1, 4)
+    table = table[table[:, 2] > 0]
+    table = table[np.argsort(table[:, 1], kind="stable")]
+    spans = _Spans(*(np.ascontiguousarray(column) for column in table.T))
+    starts = np.concatenate([np.array([o for o, _ in fixed], np.int64), spans.offsets])
+    ends = starts + np.concatenate([np.array([len(d) for _, d in fixed], np.int64),
+                                    spans.nbytes])
+    order = np.argsort(starts, kind="stable")  # fixed bytes before a shard at their offset
+    starts, ends = starts[order], ends[order]
+    bad = ends > layout.size
+    bad[1:] |= starts[1:] < ends[:-1]
+    if bad.any():
+        offset = int(starts[np.argmax(bad)])
+        raise StorageError(f"{path}: the format laid out overlapping bytes at offset "
+                           f"{offset} (of {layout.size})")
+    return fixed, spans
+
+
+class StagedPieces(Sequence[Piece]):
+    """The pieces of one staging buffer, as arrays: destination shard ``shards[i]`` lies at
+    byte ``offsets[i]`` of ``buffer``, ``nbytes[i]`` long, and holds its elements
+    [firsts[i], lasts[i]) (the whole shard where ``firsts[i]`` is -1).
+
+    It reads as a sequence of `Piece` for any `Fill` (each one made when read); the executor
+    takes the arrays as they are, with no Python work per piece."""
+
+    __slots__ = ("buffer", "firsts", "lasts", "nbytes", "offsets", "shards")
+
+    def __init__(self, buffer: mmap.mmap, shards: np.ndarray, offsets: np.ndarray,
+                 nbytes: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> None:
+        self.buffer = buffer
+        self.shards = shards
+        self.offsets = offsets
+        self.nbytes = nbytes
+        self.firsts = firsts
+        self.lasts = lasts
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @overload
+    def __getitem__(self, index: int) -> Piece: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Piece]: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        offset, nbytes = int(self.offsets[index]), int(self.nbytes[index])
+        first = int(self.firsts[index])
+        return Piece(int(self.shards[index]), memoryview(self.buffer)[offset:offset + nbytes],
+                     None if first < 0 else (first, int(self.lasts[index])))
 
 
 class _Stream:
@@ -133,8 +194,8 @@ class _Stream:
         self._capacity = len(self._buffer)
         self._start = 0  # file offset of the buffer's first byte (aligned)
         self._used = 0  # bytes placed in the buffer
-        self._pieces: list[Piece] = []
-        self._views: list[memoryview] = []
+        # the buffer's pieces so far, in runs: (shards, offsets, nbytes, firsts, lasts)
+        self._pieces: list[tuple[np.ndarray, ...]] = []
 
     @property
     def position(self) -> int:
@@ -156,20 +217,44 @@ class _Stream:
             self._used += step
             count -= step
 
-    def shard(self, span: ShardSpan) -> None:
-        elements = span.nbytes // span.itemsize
+    def shards(self, spans: _Spans) -> None:
+        """Place ``spans`` (in file order, from the position on): the ones that end in the
+        buffer all at once, the zeros between them too; one that reaches past it in pieces."""
+        done, count = 0, len(spans.offsets)
+        ends = spans.offsets + spans.nbytes
+        while done < count:
+            self.zeros(int(spans.offsets[done]) - self.position)
+            inside = int(np.searchsorted(ends, self._start + self._capacity, side="right"))
+            if inside <= done:  # the next shard reaches past the buffer
+                self._split(int(spans.shards[done]), int(spans.nbytes[done]),
+                            int(spans.itemsizes[done]))
+                done += 1
+                continue
+            offsets = spans.offsets[done:inside] - self._start
+            gaps = np.flatnonzero(offsets[1:] > (offsets + spans.nbytes[done:inside])[:-1])
+            for gap in gaps.tolist():  # zeros between shards
+                end = int(offsets[gap] + spans.nbytes[done + gap])
+                _zero(self._buffer, end, int(offsets[gap + 1]) - end)
+            whole = np.full(inside - done, -1, np.int64)
+            self._pieces.append((spans.shards[done:inside], offsets,
+                                 spans.nbytes[done:inside], whole, whole))
+            self._used = int(ends[inside - 1]) - self._start
+            done = inside
+
+    def _split(self, shard: int, nbytes: int, itemsize: int) -> None:
+        """Place one shard in pieces of whole items, a buffer at a time."""
+        elements = nbytes // itemsize
         done = 0
         while done < elements:
-            count = min(elements - done, self._room() // span.itemsize)
+            count = min(elements - done, self._room() // itemsize)
             if count == 0:  # less than an item of room: the next buffer takes it
                 self.flush()
                 continue
-            nbytes = count * span.itemsize
-            view = memoryview(self._buffer)[self._used:self._used + nbytes]
-            self._views.append(view)
             whole = done == 0 and count == elements
-            self._pieces.append(Piece(span.shard, view, None if whole else (done, done + count)))
-            self._used += nbytes
+            self._pieces.append(tuple(np.array([n], np.int64) for n in (
+                shard, self._used, count * itemsize, -1 if whole else done,
+                -1 if whole else done + count)))
+            self._used += count * itemsize
             done += count
 
     def _room(self) -> int:
@@ -181,13 +266,10 @@ class _Stream:
         """Fill the buffer's pieces, hand the buffer to the writers up to its last whole
         block (all of it, padded, when ``last``), and start the next with the rest."""
         if self._pieces:
-            try:
-                self._fill(self._pieces)
-            finally:
-                self._pieces = []
-                for view in self._views:
-                    view.release()
-                self._views = []
+            pieces = StagedPieces(self._buffer, *(np.concatenate(column)
+                                                  for column in zip(*self._pieces)))
+            self._pieces = []
+            self._fill(pieces)
         end = self._used
         if last:
             aligned = -(-end // ALIGNMENT) * ALIGNMENT

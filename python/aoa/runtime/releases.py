@@ -1,0 +1,79 @@
+"""When to drop the pages of the source shards a fill read: after the last fill that reads
+each one, or sooner, all together, once those kept for later fills pass `HELD_BYTES`.
+
+Dropping every shard a fill read right after it (what memory alone asks) costs a system
+call per shard, and the shards that a later fill reads again (TP2 -> TP4: each source shard
+goes into two ranks' files) are faulted back in from the page cache, page by page. With
+tens of thousands of small tensors that was a third of writing them
+(`bench/small_tensors.py`); kept until their last read, each is dropped once, while memory
+stays bounded by the staging buffers plus `HELD_BYTES`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from aoa.plan import Plan
+from aoa.runtime.kernel_table import SOURCE, PlanTable
+
+#: Bytes of source shards kept mapped for later fills before they are all dropped at once.
+HELD_BYTES = 128 << 20
+
+
+class SourceReleases:
+    """Counts, per source shard of a plan, the copies still to run from it; tells
+    ``release`` (once per fill, with every shard at once) which shards to drop."""
+
+    def __init__(self, table: PlanTable, plan: Plan,
+                 release: Callable[[list[int]], None]) -> None:
+        self._table = table
+        self._sources = plan.sources
+        self._destinations = plan.destinations
+        self._release = release
+        self._remaining = np.bincount(_read(table, np.arange(len(table.plan_copies))),
+                                      minlength=len(plan.sources))
+        self._held = np.zeros(len(plan.sources), np.int64)  # bytes kept of each, 0: none
+        self._held_bytes = 0
+        self._elements_left: dict[int, int] = {}  # shards filled in part so far
+
+    def filled(self, shards: np.ndarray, firsts: np.ndarray, lasts: np.ndarray,
+               read: np.ndarray) -> None:
+        """After a fill of destination ``shards`` (elements [firsts, lasts), whole where
+        -1) that read the source shards ``read`` (distinct)."""
+        complete = [shards[firsts < 0]]
+        for shard, first, last in zip(*(a[firsts >= 0].tolist() for a in (shards, firsts,
+                                                                          lasts))):
+            left = self._elements_left.get(shard)
+            if left is None:
+                left = math.prod(self._destinations[shard].local_shape)
+            left -= last - first
+            self._elements_left[shard] = left
+            if left <= 0:
+                del self._elements_left[shard]
+                complete.append(np.array([shard], np.int64))
+        rows, _ = self._table.rows(np.concatenate(complete))
+        self._remaining -= np.bincount(_read(self._table, rows), minlength=len(self._sources))
+        done = self._remaining[read] <= 0
+        dropped = read[done]
+        kept = read[~done]
+        new = kept[self._held[kept] == 0]
+        self._held[new] = [self._sources[index].nbytes or 1 for index in new.tolist()]
+        self._held_bytes += int(self._held[new].sum()) - int(self._held[dropped].sum())
+        self._held[dropped] = 0
+        if self._held_bytes > HELD_BYTES:
+            dropped = np.concatenate([dropped, np.flatnonzero(self._held)])
+            self._held[:] = 0
+            self._held_bytes = 0
+        if len(dropped):
+            self._release(dropped.tolist())
+
+
+def _read(table: PlanTable, rows: np.ndarray) -> np.ndarray:
+    """The source shards (and scales) records ``rows`` read, once per record."""
+    records = table.records
+    scales = records.scales[rows]
+    return np.concatenate([records.table[records.starts[rows] + SOURCE],
+                           records.table[scales[scales >= 0]]])
