@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
+from aoa.collector import collector_paused
 from aoa.errors import UsageError, quote
 from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc, normalize_shard_info
@@ -65,13 +66,14 @@ def read_shard_info(path: str | os.PathLike[str] | None, what: str
     """Shard-info JSON: {key: [{key, local_shape, global_shape, global_offset, dtype}, ...]}."""
     if path is None:
         return None
-    data = load_json(read_text(path, f"{what} shard info"), str(path))
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: expected an object mapping keys to lists of shards")
-    try:
-        return normalize_shard_info(data, what)
-    except UsageError as error:
-        raise UsageError(f"{path}: {error.message}", hint=error.hint) from None
+    with collector_paused():  # hundreds of thousands of objects, no cycles
+        data = load_json(read_text(path, f"{what} shard info"), str(path))
+        if not isinstance(data, dict):
+            raise UsageError(f"{path}: expected an object mapping keys to lists of shards")
+        try:
+            return normalize_shard_info(data, what)
+        except UsageError as error:
+            raise UsageError(f"{path}: {error.message}", hint=error.hint) from None
 
 
 def read_source(path: str | os.PathLike[str], format: str | None = None
