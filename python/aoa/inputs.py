@@ -75,7 +75,7 @@ def _has_lone_surrogate(value: Any) -> bool:
         elif isinstance(item, dict):
             stack += item
             stack += item.values()
-        elif isinstance(item, list):
+        elif isinstance(item, (list, tuple)):  # tuple: an object read as its pairs
             stack += item
     return False
 

@@ -34,13 +34,25 @@ ATTRIBUTE_KEYWORDS = frozenset({
 NOTHING = "_"
 
 
-@dataclass(frozen=True, slots=True)
+# The IR classes below are frozen dataclasses with an __init__ of their own, which sets the
+# slots through their descriptors: the generated one goes through object.__setattr__ field
+# by field (40% slower), and every compile makes these by the thousand, a big one by the
+# hundred thousand.
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Name:
     """A tensor name as written. ``array`` holds `[a:b]` of `NAME[a:b]` until expanded."""
 
     text: str
     span: Span | None = field(default=None, compare=False, repr=False)
     array: tuple[int, int] | None = None
+
+    def __init__(self, text: str, span: Span | None = None,
+                 array: tuple[int, int] | None = None) -> None:
+        _set_name_text(self, text)
+        _set_name_span(self, span)
+        _set_name_array(self, array)
 
     def __str__(self) -> str:
         return self.text if self.array is None else f"{self.text}[{self.array[0]}:{self.array[1]}]"
@@ -55,7 +67,7 @@ class Name:
         return self.text[:-2] if self.text.endswith("^T") else self.text
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Attribute:
     """`key=value`; ``value`` is None for a bare flag such as `fused_ffn`."""
 
@@ -63,22 +75,40 @@ class Attribute:
     value: int | str | None
     span: Span | None = field(default=None, compare=False, repr=False)
 
+    def __init__(self, key: str, value: int | str | None, span: Span | None = None) -> None:
+        _set_attribute_key(self, key)
+        _set_attribute_value(self, value)
+        _set_attribute_span(self, span)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class Origin:
     """Which statement a macro-made statement came from, and through which macro."""
 
     macro: str
     statement: Statement
 
+    def __init__(self, macro: str, statement: Statement) -> None:
+        _set_origin_macro(self, macro)
+        _set_origin_statement(self, statement)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class Statement:
     left: tuple[Name, ...]
     right: tuple[Name, ...]
     attributes: tuple[Attribute, ...] = ()
     span: Span | None = field(default=None, compare=False, repr=False)
     origin: Origin | None = field(default=None, compare=False, repr=False)
+
+    def __init__(self, left: tuple[Name, ...], right: tuple[Name, ...],
+                 attributes: tuple[Attribute, ...] = (), span: Span | None = None,
+                 origin: Origin | None = None) -> None:
+        _set_statement_left(self, left)
+        _set_statement_right(self, right)
+        _set_statement_attributes(self, attributes)
+        _set_statement_span(self, span)
+        _set_statement_origin(self, origin)
 
     def attribute(self, key: str) -> Attribute | None:
         for attribute in self.attributes:
@@ -120,6 +150,17 @@ class Statement:
 
     def __str__(self) -> str:
         return format_statement(self)
+
+
+_set_name_text, _set_name_span, _set_name_array = (
+    getattr(Name, field).__set__ for field in ("text", "span", "array"))
+_set_attribute_key, _set_attribute_value, _set_attribute_span = (
+    getattr(Attribute, field).__set__ for field in ("key", "value", "span"))
+_set_origin_macro, _set_origin_statement = (
+    getattr(Origin, field).__set__ for field in ("macro", "statement"))
+(_set_statement_left, _set_statement_right, _set_statement_attributes, _set_statement_span,
+ _set_statement_origin) = (getattr(Statement, field).__set__
+                           for field in ("left", "right", "attributes", "span", "origin"))
 
 
 def format_value(value: int | str | None) -> str:

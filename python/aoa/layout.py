@@ -139,7 +139,9 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
                          f"{quote(info)}")
     result: dict[str, list[ShardDesc]] = {}
     for key, shards in info.items():
-        converted = [as_shard(shard) for shard in _as_list(shards)]
+        # `as_shard` called only for what is not a ShardDesc already (the usual)
+        converted = [shard if type(shard) is ShardDesc else as_shard(shard)
+                     for shard in _as_list(shards)]
         if not converted:
             raise UsageError(f"{what} shard info lists no shard of {quote(key)}")
         for shard in converted:

@@ -7,13 +7,12 @@ and `--time-passes` are such hooks, and tests use one to check what each pass le
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aoa.collector import collector_paused
 from aoa.ir import Program
 from aoa.layout import BETA_POW_SUFFIXES, OPTIMIZER_SUFFIXES, ShardDesc, normalize_shard_info
 from aoa.passes import PIPELINE, Pass
@@ -44,14 +43,12 @@ class Compilation:
         """The statements after expansion, the ones that made the tensors."""
         return self.tensors.program
 
-    def plan(self, targets: Sequence[ShardDesc] | None = None, *,
-             planner: Planner | None = None) -> Plan:
-        """The plan of every destination shard, or of ``targets`` (any boxes of outputs),
-        made by ``planner`` if given (one that keeps what it planned, to answer from)."""
+    def plan(self, targets: Sequence[ShardDesc] | None = None) -> Plan:
+        """The plan of every destination shard, or of ``targets`` (any boxes of outputs)."""
         if targets is None and self.planned is not None:
             return self.planned
         with collector_paused():
-            plan = (planner or Planner(self.tensors, self.ctx)).plan(targets)
+            plan = Planner(self.tensors, self.ctx).plan(targets)
         if targets is None:
             self.planned = plan
         return plan
@@ -107,20 +104,6 @@ class Compilation:
                 if len(dtypes) == 1:
                     outputs[target.key + suffix] = (target.global_shape, dtypes.pop())
         return outputs
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """The passes allocate millions of small tuples and free few: pausing the cyclic garbage
-    collector halves compile time on big models (nothing here makes reference cycles that
-    outlive the call)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def new_context(source: Mapping, destination: Mapping | None = None, reverse: bool = False,

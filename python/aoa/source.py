@@ -21,7 +21,7 @@ class SourceText:
 _SHOWN_COLUMNS, _CONTEXT_COLUMNS = 120, 40
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Span:
     """A region of a SourceText: 1-based line and column, end exclusive."""
 
@@ -30,6 +30,13 @@ class Span:
     column: int
     end_line: int
     end_column: int
+
+    def __init__(self, source: SourceText, line: int, column: int, end_line: int,
+                 end_column: int) -> None:
+        # one update, not the generated object.__setattr__ per field: every name and
+        # statement parsed gets a span
+        self.__dict__.update(source=source, line=line, column=column, end_line=end_line,
+                             end_column=end_column)
 
     def location(self) -> str:
         return f"{self.source.name}:{self.line}:{self.column}"

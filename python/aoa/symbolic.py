@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import lt
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from aoa.ir import Program, Statement
 
 Box = tuple[int, ...]
+#: makes a NamedTuple of its fields without the Python-level __new__ (pieces by the million)
+_new_tuple = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +137,10 @@ def split(piece_map: PieceMap, axis: int, parts: int) -> list[PieceMap]:
             s_hi = whole_hi[:axis] + (a_lo + hi - lo,) + whole_hi[axis + 1:]
             if order is not None:
                 s_lo, s_hi = _unpermute(s_lo, s_hi, order)
-            per_part[j].append(Piece(p.slot, s_lo, s_hi,
-                                     p.target_lo[:axis] + (lo - start,) + p.target_lo[axis + 1:],
-                                     p.target_hi[:axis] + (hi - start,) + p.target_hi[axis + 1:],
-                                     p.ops, order))
+            per_part[j].append(_new_tuple(Piece, (
+                p.slot, s_lo, s_hi,
+                p.target_lo[:axis] + (lo - start,) + p.target_lo[axis + 1:],
+                p.target_hi[:axis] + (hi - start,) + p.target_hi[axis + 1:], p.ops, order)))
     result = [PieceMap(shape, tuple(pieces)) for pieces in per_part]
     piece_map.memo[key] = result
     return result
@@ -156,11 +159,11 @@ def concat(piece_maps: Sequence[PieceMap], slot_offsets: Sequence[int], axis: in
     offset = 0
     for piece_map, slot_offset in zip(piece_maps, slot_offsets):
         for p in piece_map.pieces:
-            pieces.append(Piece(p.slot + slot_offset, p.source_lo, p.source_hi,
-                                p.target_lo[:axis] + (p.target_lo[axis] + offset,)
-                                + p.target_lo[axis + 1:],
-                                p.target_hi[:axis] + (p.target_hi[axis] + offset,)
-                                + p.target_hi[axis + 1:], p.ops, p.order))
+            pieces.append(_new_tuple(Piece, (
+                p.slot + slot_offset, p.source_lo, p.source_hi,
+                p.target_lo[:axis] + (p.target_lo[axis] + offset,) + p.target_lo[axis + 1:],
+                p.target_hi[:axis] + (p.target_hi[axis] + offset,) + p.target_hi[axis + 1:],
+                p.ops, p.order)))
         offset += piece_map.shape[axis]
     result = first.memo[key] = PieceMap(
         first.shape[:axis] + (offset,) + first.shape[axis + 1:], tuple(pieces))
@@ -173,9 +176,10 @@ def transpose(piece_map: PieceMap, permute: Permute) -> PieceMap:
     if result is None:
         axes = permute.axes
         pieces = tuple(
-            Piece(p.slot, p.source_lo, p.source_hi, tuple(p.target_lo[a] for a in axes),
-                  tuple(p.target_hi[a] for a in axes), (*p.ops, permute),
-                  tuple(axes) if p.order is None else tuple(p.order[a] for a in axes))
+            _new_tuple(Piece, (
+                p.slot, p.source_lo, p.source_hi, tuple([p.target_lo[a] for a in axes]),
+                tuple([p.target_hi[a] for a in axes]), (*p.ops, permute),
+                tuple(axes) if p.order is None else tuple([p.order[a] for a in axes])))
             for p in piece_map.pieces)
         result = piece_map.memo[key] = PieceMap(tuple(piece_map.shape[a] for a in axes),
                                                 pieces)
@@ -187,7 +191,8 @@ def cast(piece_map: PieceMap, dtype: str) -> PieceMap:
     result = piece_map.memo.get(key)
     if result is None:
         result = piece_map.memo[key] = PieceMap(
-            piece_map.shape, tuple(p._replace(ops=(*p.ops, dtype)) for p in piece_map.pieces))
+            piece_map.shape, tuple([_new_tuple(Piece, (*p[:5], (*p.ops, dtype), p.order))
+                                    for p in piece_map.pieces]))
     return result
 
 
@@ -221,9 +226,12 @@ def intersect(piece_map: PieceMap, lo: Box, hi: Box) -> list[Entry]:
         return result
     result = []
     for p in piece_map.pieces:
+        # most pieces of a big map lie outside the box: told apart before any tuple is made
+        if not (all(map(lt, lo, p.target_hi)) and all(map(lt, p.target_lo, hi))):
+            continue
         i_lo = tuple(map(max, lo, p.target_lo))
         i_hi = tuple(map(min, hi, p.target_hi))
-        if any(a >= b for a, b in zip(i_lo, i_hi)):
+        if not all(map(lt, i_lo, i_hi)):
             continue
         order = p.order
         if order is None:
@@ -235,7 +243,7 @@ def intersect(piece_map: PieceMap, lo: Box, hi: Box) -> list[Entry]:
                 s_lo_list[axis] = p.source_lo[axis] + i_lo[i] - p.target_lo[i]
                 s_hi_list[axis] = s_lo_list[axis] + i_hi[i] - i_lo[i]
             s_lo, s_hi = tuple(s_lo_list), tuple(s_hi_list)
-        result.append(Entry(p.slot, i_lo, i_hi, s_lo, s_hi, p.ops, order))
+        result.append(_new_tuple(Entry, (p.slot, i_lo, i_hi, s_lo, s_hi, p.ops, order)))
     piece_map.memo[key] = result
     return result
 

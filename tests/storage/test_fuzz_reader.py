@@ -13,6 +13,7 @@ import contextlib
 import math
 import struct
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -22,6 +23,9 @@ from hypothesis import strategies as st
 
 from aoa.dtypes import SAFETENSORS_CODES, itemsize
 from aoa.errors import AoaError
+from aoa.storage import chunks as chunks_module
+from aoa.storage import safetensors as safetensors_module
+from aoa.storage import safetensors_folder
 from aoa.storage.formats import open_source
 from aoa.storage.safetensors import SafetensorsFile
 
@@ -133,6 +137,49 @@ def test_fuzz_reader_raises_only_aoa_errors(folder, contents):
     for path in (folder, folder / "rank-00000.safetensors"):
         with contextlib.suppress(AoaError):
             read_everything(path)
+
+
+@contextlib.contextmanager
+def entry_by_entry():
+    """The readers' bulk checks turned off: every header, sharding info and key checked in
+    turn, as they are where the bulk checks doubt."""
+    with mock.patch.object(safetensors_module, "_read_well_formed", return_value=None), \
+            mock.patch.object(safetensors_folder, "_well_formed_offsets", return_value=None), \
+            mock.patch.object(chunks_module, "_well_typed", return_value=False):
+        yield
+
+
+def outcome(read, path: Path):
+    """What ``read(path)`` returns, or the error it raises (its class, message and hint)."""
+    try:
+        return read(path)
+    except AoaError as error:
+        return type(error), str(error), error.hint
+
+
+def opened(path: Path):
+    with open_source(path) as source:
+        return source.format, source.shards
+
+
+def header(path: Path):
+    with SafetensorsFile.open(path) as file:
+        return file.metadata, list(file.tensors.items())
+
+
+@fuzz_settings
+@given(contents=st.lists(files(), min_size=1, max_size=3))
+def test_fuzz_bulk_checks_read_as_entry_by_entry(folder, contents):
+    """A file the bulk checks accept reads as it does entry by entry; one they doubt is
+    read entry by entry, so its fault has the same message as ever."""
+    emptied(folder)
+    for rank, content in enumerate(contents):
+        (folder / f"rank-{rank:05d}.safetensors").write_bytes(content)
+    for path in [*sorted(folder.iterdir()), folder]:
+        read = opened if path.is_dir() else header
+        fast = outcome(read, path)
+        with entry_by_entry():
+            assert outcome(read, path) == fast
 
 
 @st.composite

@@ -22,10 +22,12 @@ from safetensors.numpy import load_file, save_file
 from aoa.dtypes import NUMPY_DTYPES, SAFETENSORS_CODES
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
+from aoa.storage.dcp_safetensors import sharding_info
 from aoa.storage.safetensors import (
     MAX_HEADER_BYTES,
     SafetensorsFile,
     SafetensorsWriter,
+    header_bytes,
     write_safetensors,
 )
 
@@ -223,6 +225,44 @@ def test_round_trip_any_dtypes_and_shapes(tmp_path_factory, tensors) -> None:
         assert {n: bytes(file.buffer(n)) for n in file.tensors} == {
             n: a.tobytes() for n, a in arrays.items()
         }
+
+
+def dumped_header(tensors: list[ShardDesc], metadata: dict[str, str] | None) -> bytes:
+    """The header as the writer once made it: the header object through json.dumps."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for spec in tensors:
+        nbytes = spec.nbytes
+        header[spec.key] = {"dtype": {v: k for k, v in SAFETENSORS_CODES.items()}[spec.dtype],
+                            "shape": list(spec.local_shape),
+                            "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+KEYS = st.text(st.characters(blacklist_categories=["Cs"]), max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=st.lists(st.tuples(KEYS, st.sampled_from(ALL_DTYPES),
+                                st.lists(st.integers(0, 300), max_size=3),
+                                st.lists(st.integers(0, 9), max_size=3)),
+                      max_size=6, unique_by=lambda spec: spec[0]),
+       metadata=st.one_of(st.none(), st.dictionaries(KEYS, KEYS, max_size=3)))
+def test_header_and_sharding_info_are_what_json_dumps_makes(specs, metadata) -> None:
+    """The header and DCP_SHARDING_INFO are written entry by entry; byte for byte what
+    json.dumps makes of them, whatever the names (quotes, backslashes, control and
+    non-ASCII characters), shapes and metadata."""
+    tensors = []
+    for key, dtype, shape, offset in specs:
+        offset = (offset + [0] * len(shape))[:len(shape)]
+        tensors.append(ShardDesc(key, tuple(shape), tuple(map(sum, zip(shape, offset))),
+                                 tuple(offset), dtype))
+    assert header_bytes(tensors, metadata) == dumped_header(tensors, metadata)
+    assert sharding_info(tensors) == json.dumps(
+        {spec.key: {"saved_offsets": list(spec.global_offset)} for spec in tensors})
 
 
 # ---------------------------------------------------------------------- writer atomicity

@@ -49,9 +49,9 @@ class AOAEngine:
     others (``enable_traceback``) are accepted and ignored: aoa errors always say where
     they come from.
 
-    With a destination, every shard of it is planned (and so checked) here, once; a query
-    for one of them, by an equal descriptor of any class, is answered from the pieces that
-    planning found, and any other box is checked when asked."""
+    With a destination, every shard of it is answered (and so checked) here, once; a query
+    for one of them, by an equal descriptor of any class, is answered from the pieces found
+    then, and any other box is checked when asked."""
 
     def __init__(self, aoa_config: Mapping, source_state_shard_info: Mapping,
                  destination_state_shard_info: Mapping | None = None) -> None:
@@ -69,47 +69,50 @@ class AOAEngine:
         self.destination = ctx.destination
         self.compilation = compile_in(ctx, self.statements, passes=through(propagate_shapes))
         self._planner = Planner(self.compilation.tensors, ctx)
-        if self.destination is not None:
-            # every shard planned (so checked) here: wrong programs are refused before any
-            # byte moves, not at the query that hits them
-            self.compilation.plan(planner=self._planner)
         #: ops of a piece -> Paddle's postprocess list of them, as a tuple
         self._postprocess: dict[tuple[Op, ...], tuple[str, ...]] = {}
-        #: id of a planned key's answers -> the Paddle entries' parts, by position
-        self._forms: dict[int, list[list[_EntryForm]]] = {}
-        #: (key, global_offset, local_shape, global_shape, dtype) of each destination shard
-        #: -> the shard and its position among its key's
-        self._boxes: dict[tuple, tuple[ShardDesc, int]] = {}
+        #: destination key -> its declared shards, the parts of each one's Paddle entries
+        #: (None: declared with `_ -> X`, no entries) and the keys their slots read
+        self._planned: dict[str, tuple[list[ShardDesc], list[list[_EntryForm]] | None,
+                                       Sequence[str]]] = {}
+        if self.destination is None:
+            return
         with collector_paused():
-            # made here, with what was planned, not query by query: hundreds of thousands
-            # of objects that outlive the queries would set the collector walking the
-            # whole plan in the middle of them
-            for shards in (self.destination or {}).values():
-                for position, s in enumerate(shards):
-                    self._boxes[s.key, s.global_offset, s.local_shape, s.global_shape,
-                                s.dtype] = (s, position)
-            for key_answers, _ in self._planner.planned_answers.values():
-                if id(key_answers) not in self._forms:
-                    self._forms[id(key_answers)] = [self._form(answer)
-                                                    for answer in key_answers]
+            # every shard answered (so checked) here: wrong programs are refused before
+            # any byte moves, not at the query that hits them; the entries' parts are made
+            # here too, not query by query: objects by the hundred thousand that outlive
+            # the queries would set the collector walking them in the middle of them
+            answered = self._planner.answer_declared()
+            forms: dict[int, list[list[_EntryForm]]] = {}  # by id of a key's answers
+            for key, shards in self.destination.items():
+                answers, read_keys = answered.get(key, (None, ()))
+                key_forms = None
+                if answers is not None:  # keys laid out alike share their answers
+                    key_forms = forms.get(id(answers))
+                    if key_forms is None:
+                        key_forms = forms[id(answers)] = [self._form(a) for a in answers]
+                self._planned[key] = (shards, key_forms, read_keys)
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
         try:  # the planned destination shard equal to ``target`` (a descriptor of any class)
-            planned = self._boxes.get((target.key, target.global_offset, target.local_shape,
-                                 target.global_shape, target.dtype))
-        except (AttributeError, TypeError):  # not a descriptor, or lists for boxes
+            planned = self._planned.get(target.key)
+            offset = target.global_offset
+        except (AttributeError, TypeError):  # not a descriptor, or not a text for a key
             planned = None
         if planned is None:
             return self._answer_unplanned(as_shard(target))
-        shard, position = planned
-        answers = self._planner.planned_answers.get(shard.key)
-        if answers is None:  # declared with `_ -> X`
+        shards, forms, read_keys = planned
+        for position in range(len(shards)):  # a few shards a key: no index needed
+            shard = shards[position]
+            if shard.global_offset == offset:
+                break
+        else:
+            return self._answer_unplanned(as_shard(target))
+        if (shard.local_shape != target.local_shape or shard.global_shape
+                != target.global_shape or shard.dtype != target.dtype):
+            return self._answer_unplanned(as_shard(target))
+        if forms is None:
             return []
-        key_answers, read_keys = answers
-        forms = self._forms.get(id(key_answers))
-        if forms is None:  # planned after construction: not by the engine
-            forms = self._forms[id(key_answers)] = [self._form(answer)
-                                                    for answer in key_answers]
         form = forms[position]
         unchecked = _unchecked
         source = self.source

@@ -24,7 +24,6 @@ from aoa.layout import shard_count
 from aoa.limits import MAX_MACRO_NAMES
 from aoa.passes.context import CompileContext
 from aoa.passes.resolve_chains import ChainedProgram, Chains
-from aoa.source import Span
 
 NAME = "expand_fused"
 TRANSPOSE_SUFFIX = "_transpose_tmp"
@@ -110,10 +109,11 @@ class _Fuser:
         self.ctx = ctx
         self.chains = chains
         self.fresh = fresh
-        #: the Names and axis attributes made so far, per span (a span is a value: its
-        #: file, line and columns), so that statements made alike share them
-        self._names_by_span: dict[Span | None, dict[str, Name]] = {}
-        self._axes: dict[tuple[int, Span | None], Attribute] = {}
+        #: the Names and axis attributes made so far, per span object (of a statement the
+        #: program holds, so alive while it runs; hashing a span by value costs more than
+        #: making the names), so that statements made alike share them
+        self._names_by_span: dict[int, dict[str, Name]] = {}
+        self._axes: dict[tuple[int, int], Attribute] = {}
         self.index = 0  # the position in the program of the statement being expanded
 
     def expand(self, index: int, statement: Statement) -> list[Statement]:
@@ -205,9 +205,9 @@ class _Fuser:
 
     def _names(self, names, span) -> tuple[Name, ...]:
         """Names for generated pieces, shared across statements (they repeat per layer)."""
-        made = self._names_by_span.get(span)
+        made = self._names_by_span.get(id(span))
         if made is None:
-            made = self._names_by_span[span] = {}
+            made = self._names_by_span[id(span)] = {}
         result = []
         for name in names:
             if isinstance(name, Name):
@@ -220,7 +220,7 @@ class _Fuser:
         return tuple(result)
 
     def _axis(self, axis: int, span) -> Attribute:
-        key = (axis, span)
+        key = (axis, id(span))
         made = self._axes.get(key)
         if made is None:
             made = self._axes[key] = Attribute("axis", axis, span)

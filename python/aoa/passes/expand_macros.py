@@ -15,6 +15,7 @@ import itertools
 import math
 import re
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from aoa.errors import MacroError
 from aoa.ir import Name, Origin, Program, Statement
@@ -24,11 +25,20 @@ from aoa.passes.context import CompileContext
 NAME = "expand_macros"
 
 LAYER_ID_OFFSET = "$LAYER_ID_OFFSET"
-PLACEHOLDERS = ("$EXPERT_ID", "$LAYER_ID")  # sorted by name: expert id is the major key
+
+
+_LAST_DIGIT = re.compile(r".*\d", re.DOTALL)
+
+
+def _tail(text: str) -> str:
+    """What follows the last digit of ``text`` (all of it, where it has none)."""
+    found = _LAST_DIGIT.match(text)
+    return text[found.end():] if found else text
 
 
 class _SortedKeys:
-    """Keys sorted once, so a template only scans the keys that share its literal prefix."""
+    """Keys sorted once, so a template only scans the keys that share its literal prefix,
+    or those that end as it does."""
 
     def __init__(self, keys: Iterable[str]) -> None:
         self.keys = sorted(keys)
@@ -38,15 +48,57 @@ class _SortedKeys:
         end = bisect.bisect_left(self.keys, prefix + "\U0010ffff")
         return self.keys[start:end]
 
+    @functools.cached_property
+    def _by_tail(self) -> dict[str, list[str]]:
+        by_tail: dict[str, list[str]] = {}
+        for key in self.keys:
+            by_tail.setdefault(_tail(key), []).append(key)
+        return by_tail
+
+    def ending_as(self, suffix: str) -> list[str]:
+        """The keys, in order, that can be an id (digits) followed by ``suffix``: those
+        whose text past their last digit is ``suffix``'s (templates share their prefix,
+        `model.layers.`, with most keys, but their end with few)."""
+        return self._by_tail.get(_tail(suffix), [])
+
+
+class _Template(NamedTuple):
+    """A name with $LAYER_ID / $EXPERT_ID (without `^T`) as a pattern over keys."""
+
+    #: the placeholders in the order they first appear (the regex's groups)
+    placeholders: tuple[str, ...]
+    #: the text before the first placeholder and after the last one
+    prefix: str
+    suffix: str
+    #: the whole pattern; None for one placeholder, matched by prefix, digits and suffix
+    regex: re.Pattern | None
+
+
+def _template(base: str) -> _Template:
+    if base.count("$LAYER_ID") + base.count("$EXPERT_ID") == 1:
+        placeholder = "$LAYER_ID" if "$LAYER_ID" in base else "$EXPERT_ID"
+        prefix, suffix = base.split(placeholder)
+        return _Template((placeholder,), prefix, suffix, None)
+    parts = re.split(r"(\$EXPERT_ID|\$LAYER_ID)", base)
+    regex, found = "", []
+    for index, part in enumerate(parts):
+        if index % 2 == 0:
+            regex += re.escape(part)
+        elif part in found:  # the same id twice in one name: both places agree
+            regex += f"(?P={part[1:]})"
+        else:
+            found.append(part)
+            regex += f"(?P<{part[1:]}>\\d+)"
+    return _Template(tuple(found), parts[0], parts[-1], re.compile(regex))
+
 
 def _names(statement: Statement) -> tuple[Name, ...]:
     return statement.left + statement.right
 
 
-def _id_format(name: Name, placeholders: Sequence[str]) -> str | None:
+def _id_format(text: str, placeholders: tuple[str, ...]) -> str | None:
     """A name with $LAYER_ID / $EXPERT_ID as a format string, so each of a template's
     thousands of instances costs one `format_map` (None: the name has no placeholder)."""
-    text = name.text
     if not any(p in text for p in placeholders):
         return None
     text = text.replace("{", "{{").replace("}", "}}")
@@ -62,6 +114,7 @@ class _Expander:
         self.expanded: list[Statement] = []
         self._produced: set[str] = set()
         self._produced_upto = 0  # how many of `expanded` _produced covers
+        self._produced_keys: _SortedKeys | None = None  # _produced sorted, when asked
 
     @functools.cached_property
     def source_keys(self) -> _SortedKeys:
@@ -73,27 +126,35 @@ class _Expander:
 
     def expand(self, statement: Statement) -> list[Statement]:
         names = _names(statement)
-        macros = [self.layer_id_offset, self.ids]
+        texts = "\n".join([n.text for n in names])  # names hold no newline
+        macros = []
+        if "$LAYER_ID" in texts or "$EXPERT_ID" in texts:  # $LAYER_ID_OFFSET too
+            macros += [self.layer_id_offset, self.ids]
         # filling in ids and offsets makes no `[a:b]` and no `*`: a statement without them
         # skips those two macros for all of its (maybe thousands of) instances
         if any(n.array for n in names):
             macros.append(self.arrays)
-        if any("*" in n.text for n in names):
+        if "*" in texts:
             macros.append(self.stars)
+        if not macros:
+            self.expanded.append(statement)
+            return [statement]
         result = [statement]
         for macro in macros:
             result = [out for s in result for out in macro(s)]
         self.expanded += result
         return result
 
-    def produced(self) -> set[str]:
+    def produced(self) -> _SortedKeys:
         """Names written by the statements expanded so far (asked only of a template that
         matches no source key, so not worked out for every instance)."""
         new = self.expanded[self._produced_upto:]
-        self._produced.update([n.base for s in new
-                               for n in (s.left if self.ctx.reverse else s.right)])
-        self._produced_upto = len(self.expanded)
-        return self._produced
+        if new or self._produced_keys is None:
+            self._produced.update([n.base for s in new
+                                   for n in (s.left if self.ctx.reverse else s.right)])
+            self._produced_upto = len(self.expanded)
+            self._produced_keys = _SortedKeys(self._produced)
+        return self._produced_keys
 
     # $LAYER_ID_OFFSET -------------------------------------------------------------------
     def layer_id_offset(self, statement: Statement) -> list[Statement]:
@@ -157,31 +218,33 @@ class _Expander:
     # $LAYER_ID / $EXPERT_ID ---------------------------------------------------------------
     def ids(self, statement: Statement) -> list[Statement]:
         names = _names(statement)
-        if not any("$LAYER_ID" in n.text or "$EXPERT_ID" in n.text for n in names):
-            return [statement]
-        candidates = statement.right if self.ctx.reverse else names
-        pattern = next((n for n in candidates if any(p in n.text for p in PLACEHOLDERS)), None)
+        pattern = next((n for n in (statement.right if self.ctx.reverse else names)
+                        if "$LAYER_ID" in n.text or "$EXPERT_ID" in n.text), None)
         if pattern is None:
+            if not any("$LAYER_ID" in n.text or "$EXPERT_ID" in n.text for n in names):
+                return [statement]
             raise MacroError(
                 "in reverse mode the $LAYER_ID / $EXPERT_ID template is taken from the right "
                 "of '->', which has none", statement.span,
                 hint="Write the placeholder in the names right of '->' too.")
-        regex, found = self._id_regex(pattern)
+        template = _template(pattern.base)
+        found = template.placeholders
         values: dict[str, set[int]] = {p: set() for p in found}
-        matched = self._match_ids(regex, pattern, self.source_keys, values)
-        if not matched and not self.ctx.reverse and (produced := self.produced()):
+        matched = self._match_ids(template, self.source_keys, values)
+        if not matched and not self.ctx.reverse and (produced := self.produced()).keys:
             # Spec 0.5: a template over temporaries expands over the ids they were made with.
-            self._match_ids(regex, pattern, _SortedKeys(produced), values)
+            self._match_ids(template, produced, values)
         for name in names:
-            missing = [p for p in found if p[1:] not in name.text]
+            missing = [p for p in found if p[1:] not in name.text] if len(found) > 1 else (
+                found if found[0][1:] not in name.text else ())
             if missing:
                 raise MacroError(
                     f"'{name.text}' lacks {', '.join(missing)}, which every name of this "
                     "template must carry", name.span,
                     hint="All names of a $LAYER_ID / $EXPERT_ID statement must use the same "
                          "placeholders.")
-        ordered = sorted(found)
-        instances = math.prod(len(values[p]) for p in ordered)
+        ordered = tuple(sorted(found))
+        instances = math.prod([len(numbers) for numbers in values.values()])
         if instances > MAX_TEMPLATE_INSTANCES:
             counts = " times ".join(f"{len(values[p])} {p}" for p in ordered)
             raise MacroError(
@@ -189,20 +252,31 @@ class _Expander:
                 f"than {MAX_TEMPLATE_INSTANCES}", pattern.span,
                 hint="Each placeholder takes every id found for it in the keys; write the "
                      "ids that go together as separate templates.")
-        combinations = list(itertools.product(*(list(map(str, sorted(values[p])))
-                                                for p in ordered)))
-        if not combinations:
+        if not instances:
             self.expands_to_nothing(pattern, *found)
-        fields = [p[1:] for p in ordered]
-        filled = [dict(zip(fields, combination)) for combination in combinations]
+        if len(ordered) == 1:
+            (placeholder,) = ordered
+            numbers = list(map(str, sorted(values[placeholder])))
 
-        def column(name: Name) -> list[Name]:
-            """The name in every instance, one template name at a time."""
-            template = _id_format(name, ordered)
-            if template is None:
-                return [name] * len(filled)
-            return [Name(text, name.span, name.array)
-                    for text in map(template.format_map, filled)]
+            def column(name: Name) -> list[Name]:
+                """The name in every instance, one template name at a time."""
+                text, span, array = name.text, name.span, name.array
+                if placeholder not in text:
+                    return [name] * len(numbers)
+                return [Name(text.replace(placeholder, number), span, array)
+                        for number in numbers]
+        else:
+            fields = [p[1:] for p in ordered]
+            filled = [dict(zip(fields, combination)) for combination in itertools.product(
+                *(list(map(str, sorted(values[p]))) for p in ordered))]
+
+            def column(name: Name) -> list[Name]:
+                """The name in every instance, one template name at a time."""
+                text_format = _id_format(name.text, ordered)
+                if text_format is None:
+                    return [name] * len(filled)
+                return [Name(text, name.span, name.array)
+                        for text in map(text_format.format_map, filled)]
 
         # both sides hold a name at least (the grammar's), so zip makes every instance
         lefts = zip(*map(column, statement.left))
@@ -213,26 +287,20 @@ class _Expander:
                 for left, right in zip(lefts, rights)]
 
     @staticmethod
-    def _id_regex(pattern: Name) -> tuple[re.Pattern, list[str]]:
-        parts = re.split(r"(\$EXPERT_ID|\$LAYER_ID)", pattern.base)
-        regex, found = "", []
-        for index, part in enumerate(parts):
-            if index % 2 == 0:
-                regex += re.escape(part)
-            elif part in found:  # the same id twice in one name: both places agree
-                regex += f"(?P={part[1:]})"
-            else:
-                found.append(part)
-                regex += f"(?P<{part[1:]}>\\d+)"
-        return re.compile(regex), found
-
-    @staticmethod
-    def _match_ids(regex: re.Pattern, pattern: Name, keys: _SortedKeys,
-                   values: dict[str, set[int]]) -> bool:
-        literals = re.split(r"\$EXPERT_ID|\$LAYER_ID", pattern.base)
-        prefix, suffix = literals[0], literals[-1]
-        found = [m.groups() for key in keys.with_prefix(prefix)
-                 if key.endswith(suffix) and (m := regex.fullmatch(key))]
+    def _match_ids(template: _Template, keys: _SortedKeys, values: dict[str, set[int]]
+                   ) -> bool:
+        prefix, suffix = template.prefix, template.suffix
+        candidates = keys.ending_as(suffix)
+        if template.regex is None:  # prefix, digits, suffix
+            start, end = len(prefix), len(suffix)
+            numbers = [number for key in candidates
+                       if key.startswith(prefix) and key.endswith(suffix)
+                       and (number := key[start:len(key) - end]).isdecimal()]
+            values[template.placeholders[0]].update(map(int, numbers))
+            return bool(numbers)
+        fullmatch = template.regex.fullmatch
+        found = [m.groups() for key in candidates
+                 if key.startswith(prefix) and (m := fullmatch(key))]
         for index, value_set in enumerate(values.values()):
             value_set.update(map(int, {row[index] for row in found}))
         return bool(found)

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from operator import add, attrgetter
+from operator import add, attrgetter, sub
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa import symbolic
@@ -54,9 +54,9 @@ class _ShardCopy(NamedTuple):
     casts: tuple[str, ...]
 
 
-#: what planning one key's shards leaves: the reads, as (slot, positions of its shards), the
-#: copies, and each shard's answer
-_KeyPlan = tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy], list[list[Entry]]]
+#: what planning one key's shards leaves: the reads, as (slot, positions of its shards), and
+#: the copies
+_KeyPlan = tuple[list[tuple[int, tuple[int, ...]]], list[KeyedCopy]]
 
 
 class _ShardRead(NamedTuple):
@@ -73,6 +73,21 @@ def _distinct_positions(shards: Sequence[ShardDesc]) -> list[int] | None:
     as the shards came in, that these tile the global shape exactly."""
     positions = distinct_boxes(shards)
     return None if len(positions) == len(shards) else positions
+
+
+def _side_by_side(boxes: Sequence[tuple[Box, Box, str]]) -> bool:
+    """Whether ``boxes`` (lo, hi, source key) are alike on every axis but one, along which
+    none overlaps the next: then no two share an element, which is told without comparing
+    every pair (the pieces of a fused tensor lie so); False does not say they overlap."""
+    first_lo, first_hi, _ = boxes[0]
+    for axis in range(len(first_lo)):
+        lo_rest = first_lo[:axis] + first_lo[axis + 1:]
+        hi_rest = first_hi[:axis] + first_hi[axis + 1:]
+        if all(lo[:axis] + lo[axis + 1:] == lo_rest and hi[:axis] + hi[axis + 1:] == hi_rest
+               for lo, hi, _ in boxes):
+            extents = sorted([(lo[axis], hi[axis]) for lo, hi, _ in boxes])
+            return all(end <= start for (_, end), (start, _) in itertools.pairwise(extents))
+    return False
 
 
 def _describe(shard: ShardDesc) -> str:
@@ -173,7 +188,8 @@ class Planner:
       that another key planned alike only renames them. The piece map is a value (its
       shape and pieces), and a key's names enter only through the sharding numbers and
       the slots that repeat, which is all the copies depend on. Not used when the program
-      deletes a source key (`X -> _`): what is read then depends on the names."""
+      deletes a source key (`X -> _`): what is read then depends on the names;
+    - ``_answers_memo``: the same key -> the answers of all those shards (`answer_declared`)."""
 
     def __init__(self, tensors: SymbolicTensors, ctx: CompileContext) -> None:
         self.ctx = ctx
@@ -183,9 +199,7 @@ class Planner:
         self._reads_memo: dict[tuple, list[_ShardRead]] = {}
         self._casts_memo: dict[tuple, tuple[str, ...]] = {}
         self._key_memo: dict[tuple, _KeyPlan] = {}
-        #: destination key -> the answer of each of its declared shards, in listed order,
-        #: with the keys the answers' slots read (filled by `plan` of the declared shards)
-        self.planned_answers: dict[str, tuple[list[list[Entry]], Sequence[str]]] = {}
+        self._answers_memo: dict[tuple, list[list[Entry]]] = {}
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -280,8 +294,8 @@ class Planner:
     def _check_coverage(self, target: ShardDesc, tensor: Tensor, boxes) -> None:
         """Every element of ``target`` written exactly once; boxes are (lo, hi, source key)."""
         wanted = prod(target.local_shape)
-        covered = sum(prod(b - a for a, b in zip(lo, hi)) for lo, hi, _ in boxes)
-        ordered = sorted(boxes)
+        covered = sum([prod(map(sub, hi, lo)) for lo, hi, _ in boxes])
+        ordered = [] if len(boxes) < 2 or _side_by_side(boxes) else sorted(boxes)
         for i, (lo, hi, key) in enumerate(ordered):
             for lo2, hi2, key2 in ordered[i + 1:]:
                 if lo2[0] >= hi[0]:
@@ -333,6 +347,49 @@ class Planner:
         return tuple(steps)
 
     # -- the plan ------------------------------------------------------------------------
+    def _key_reads(self, key: str, sharding: int
+                   ) -> tuple[Tensor | None, str, Sequence[str], tuple[int, ...] | None, tuple]:
+        """For the shards of destination ``key`` (``sharding``: their sharding number): its
+        tensor (None: declared with `_ -> X`), optimizer suffix, the keys its slots read,
+        which slots read the same key (None: one slot) and the memo key of its plan."""
+        model_key, suffix = split_optimizer_suffix(key)
+        outputs = self.state.outputs
+        tensor = outputs[model_key] if model_key in outputs else self.tensor_for(key)
+        if tensor is None:
+            return None, "", (), None, ()
+        keys = tensor.keys
+        read_keys = [k + suffix for k in keys] if suffix else keys
+        # which slots read the same key: its reads are grouped by key in the memo
+        same = None if len(read_keys) == 1 else tuple(map(read_keys.index, read_keys))
+        memo_key = (tensor.piece_map, suffix,
+                    tuple(map(self.ctx.source_shardings.get, read_keys)), sharding, same)
+        return tensor, suffix or "", read_keys, same, memo_key
+
+    def answer_declared(self) -> dict[str, tuple[list[list[Entry]], Sequence[str]]]:
+        """Destination key -> the answer of each of its declared shards, in listed order,
+        with the keys the answers' slots read: every shard checked as `plan` checks it (the
+        same errors, in the same order), but no copies worked out, for the Paddle drop-in,
+        which answers queries from these."""
+        assert self.ctx.destination is not None, "answers of a declared destination"
+        removed = self.state.removed
+        answered = {}
+        for key, shards in self.ctx.destination.items():
+            tensor, suffix, read_keys, _, memo_key = self._key_reads(
+                key, self.ctx.destination_shardings[key])
+            if tensor is None:
+                continue
+            answers = None if removed else self._answers_memo.get(memo_key)
+            if answers is None:
+                answers = []
+                for target in shards:
+                    entries = self._raw_entries(target, tensor, suffix)
+                    self._check_entries(target, tensor, suffix, entries)
+                    answers.append(entries)
+                if not removed:
+                    self._answers_memo[memo_key] = answers
+            answered[key] = (answers, read_keys)
+        return answered
+
     def plan(self, targets: Sequence[ShardDesc] | None = None) -> Plan:
         """Copies for every destination shard (or for ``targets``: any boxes of outputs).
 
@@ -345,8 +402,6 @@ class Planner:
         copies = CopyTable()
         untouched: list[int] = []
         removed = self.state.removed
-        outputs = self.state.outputs
-        source_shardings = self.ctx.source_shardings.get
         # planning the declared destination, each key's shards are one run, and their
         # sharding number is known; other targets are numbered as they come
         declared = self.ctx.destination if targets is None else None
@@ -357,28 +412,19 @@ class Planner:
         stop = 0
         for key, count in runs:
             start, stop = stop, stop + count
-            model_key, suffix = split_optimizer_suffix(key)
-            tensor = outputs[model_key] if model_key in outputs else self.tensor_for(key)
+            shards = destinations[start:stop]
+            sharding = (self.ctx.destination_shardings[key] if declared is not None
+                        else self.ctx.shardings.number(shards))
+            tensor, suffix, read_keys, same, memo_key = self._key_reads(key, sharding)
             if tensor is None:
                 untouched.extend(range(start, stop))
                 continue
-            keys = tensor.keys
-            read_keys = [k + suffix for k in keys] if suffix else keys
-            shards = destinations[start:stop]
-            # which slots read the same key: its reads are grouped by key in the memo
-            same = None if len(read_keys) == 1 else tuple(map(read_keys.index, read_keys))
-            sharding = (self.ctx.destination_shardings[key] if declared is not None
-                        else self.ctx.shardings.number(shards))
-            memo_key = (tensor.piece_map, suffix, tuple(map(source_shardings, read_keys)),
-                        sharding, same)
             memo = None if removed else self._key_memo.get(memo_key)
             if memo is None:
                 memo = self._key_copies(shards, tensor, suffix, same)
                 if not removed:
                     self._key_memo[memo_key] = memo
-            reads, key_copies, answers = memo
-            if declared is not None:
-                self.planned_answers[key] = (answers, read_keys)
+            reads, key_copies = memo
             if len(reads) == 1:
                 slot, positions = reads[0]
                 ids = source_index.ids(read_keys[slot], positions)
@@ -396,18 +442,15 @@ class Planner:
     def _key_copies(self, shards: Sequence[ShardDesc], tensor: Tensor, suffix: str | None,
                     same: tuple[int, ...] | None) -> _KeyPlan:
         """The copies of one key's shards, with sources as positions in the key's distinct
-        reads, so that another key laid out alike only renames them; and each shard's
-        answer (its pieces, sources as slots).
+        reads, so that another key laid out alike only renames them.
 
         The reads are listed per source key, as (the first slot that reads it, positions of
         its shards read), and numbered in that order; ``same`` gives each slot's first
         slot of the same key (None: one slot)."""
-        answers: list[list[Entry]] = []
         # each copy with its read as (the first slot of its source key, shard position)
         planned = []
         for k, target in enumerate(shards):
             entries = self._raw_entries(target, tensor, suffix)
-            answers.append(entries)
             planned += [(k, (r.source.slot if same is None else same[r.source.slot],
                              r.source.shard), r)
                         for r in self._shard_copies(target, tensor, suffix, entries)]
@@ -418,15 +461,13 @@ class Planner:
         number = {read: i for i, read in enumerate(
             [(slot, p) for slot, positions in reads for p in positions])}
         return reads, [(k, number[read], r.destination_start, r.shape, r.source_start,
-                        r.order, r.casts) for k, read, r in planned], answers
+                        r.order, r.casts) for k, read, r in planned]
 
     def _shard_copies(self, target: ShardDesc, tensor: Tensor, suffix: str | None,
                       entries: list[Entry]) -> list[_ShardCopy]:
         """Validate one destination shard, whose answer is ``entries``, and work out its
         copies."""
-        read_keys = [tensor.keys[e.slot] + (suffix or "") for e in entries]
-        self._check(target, tensor, [(k, e.ops) for k, e in zip(read_keys, entries)],
-                    [(e.target_lo, e.target_hi, k) for k, e in zip(read_keys, entries)])
+        read_keys = self._check_entries(target, tensor, suffix or "", entries)
         offset = target.global_offset
         copies = []
         for source_key, e in zip(read_keys, entries):
@@ -439,6 +480,15 @@ class Planner:
                                                        offset)),
                     read.shape, read.source_start, e.order, casts))
         return copies
+
+    def _check_entries(self, target: ShardDesc, tensor: Tensor, suffix: str,
+                       entries: list[Entry]) -> list[str]:
+        """`check` of a declared shard's answer, its pieces as slots; the keys they read."""
+        keys = tensor.keys
+        read_keys = [keys[e.slot] + suffix for e in entries]
+        self._check(target, tensor, [(k, e.ops) for k, e in zip(read_keys, entries)],
+                    [(e.target_lo, e.target_hi, k) for k, e in zip(read_keys, entries)])
+        return read_keys
 
     def _casts(self, ops, source_dtype, destination_dtype) -> tuple[str, ...]:
         if not ops:

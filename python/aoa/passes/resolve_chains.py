@@ -84,18 +84,20 @@ class DataFlow:
                              else (statement.left, statement.right))
             read_nodes = []
             for name in reads:
-                if name.base == NOTHING and len(reads) == 1:
+                base = name.base
+                if base == NOTHING and len(reads) == 1:
                     continue
-                node = current.get(name.base)
+                node = current.get(base)
                 if node is None:
-                    node = current[name.base] = flow._new_node(name.base, None)
+                    node = current[base] = flow._new_node(base, None)
                 flow.consumers[node].append(executed)
                 read_nodes.append(node)
             write_nodes = []
             for name in writes:
-                if name.base == NOTHING and len(writes) == 1:
+                base = name.base
+                if base == NOTHING and len(writes) == 1:
                     continue
-                node = current[name.base] = flow._new_node(name.base, executed)
+                node = current[base] = flow._new_node(base, executed)
                 write_nodes.append(node)
             flow.inputs.append(read_nodes)
             flow.outputs.append(write_nodes)

@@ -90,6 +90,7 @@ class _Sharing:
                                                  ctx.destination_shardings).get
         self.written_once = {name for name, count in writes.items()
                              if count == 1 and not name.endswith("^T")}
+        self.read_once = {name for name, count in reads.items() if count == 1}
         #: what instances have alike -> the signature of their keys -> the kept one's
         #: position in ``kept``
         self.kept_by_signature: dict[tuple, dict[tuple, int]] = {}
@@ -117,14 +118,18 @@ class _Sharing:
                 self.kept.extend(run[start:stop])
 
     def _all_independent(self, bases, texts) -> bool:
-        """Every instance reads source keys nobody writes and writes keys written once
-        and read by nobody (enough for `_independent` of each, and usual)."""
+        """Every instance reads source keys and writes keys written once; nobody writes
+        what it reads nor reads what it writes, or it writes in place (`k^T -> k`) the very
+        keys it reads, which nobody else reads (enough for `_independent` of each, and
+        usual)."""
         read = [b for names in bases for b in names]
         written = [t for names in texts for t in names]
-        return (self.source_keys.issuperset(read) and self.writes.keys().isdisjoint(read)
-                and self.written_once.issuperset(written)
-                and self.reads.keys().isdisjoint(written)
-                and NOTHING not in read and NOTHING not in written)
+        if not (self.source_keys.issuperset(read) and self.written_once.issuperset(written)
+                and NOTHING not in read and NOTHING not in written):
+            return False
+        if self.writes.keys().isdisjoint(read) and self.reads.keys().isdisjoint(written):
+            return True
+        return list(bases) == list(texts) and self.read_once.issuperset(read)
 
     def _share(self, run: Sequence[Statement], bases, texts) -> None:
         """Independent instances of one expansion: each is kept, or follows the first kept

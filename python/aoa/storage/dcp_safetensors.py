@@ -10,7 +10,8 @@ folder reader (`aoa.storage.safetensors_folder`).
 
 from __future__ import annotations
 
-import json
+import json.encoder
+import operator
 from collections.abc import Sequence
 
 from aoa.layout import ShardDesc
@@ -49,9 +50,21 @@ class DcpSafetensorsDestination(Destination):
     def layout(self, file: OutputFile) -> FileLayout:
         """The rank's shards under their keys, each one's global offset in the metadata."""
         shards = [(index, self.shards[index]) for index in file.shards]
-        info = {shard.key: {OFFSETS_KEY: list(shard.global_offset)} for _, shard in shards}
-        metadata = {SHARDING_KEY: json.dumps(info), **_DCP_VERSION}
+        metadata = {SHARDING_KEY: sharding_info([shard for _, shard in shards]),
+                    **_DCP_VERSION}
         return file_layout(shards, self.folder / file.filename, metadata)
+
+
+def sharding_info(shards: Sequence[ShardDesc]) -> str:
+    """``DCP_SHARDING_INFO`` of a file holding ``shards`` (each key once): the text
+    ``json.dumps`` makes of ``{key: {"saved_offsets": global offset}}``, as DCP writes it,
+    put together column by column (a rank of 30k shards in milliseconds)."""
+    key_text = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+    offsets = [shard.global_offset for shard in shards]
+    value = {offset: f': {{"{OFFSETS_KEY}": [{", ".join(map(str, offset))}]}}'
+             for offset in set(offsets)}
+    return "{" + ", ".join(map(operator.add, map(key_text, [shard.key for shard in shards]),
+                               map(value.__getitem__, offsets))) + "}"
 
 
 FORMAT = Format("dcp-safetensors", "safetensors files with PyTorch DCP's DCP_SHARDING_INFO, "

@@ -71,6 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Generic, NamedTuple, TypeVar
 
+from aoa.collector import collector_paused
 from aoa.errors import StorageError, UsageError
 from aoa.layout import ShardDesc
 from aoa.storage.folder import OutputFolder, Sharing, write_file
@@ -388,7 +389,8 @@ def open_source(path: str | os.PathLike[str], format: str | None = None) -> Sour
     path = Path(path)
     found = format_named(format) if format is not None else detect(path)
     assert found.open_source is not None
-    return found.open_source(path)
+    with collector_paused():  # a record or a few per stored chunk, and no cycles
+        return found.open_source(path)
 
 
 def checkpoint_patterns() -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aoa.errors import StorageError
 from aoa.storage.folder import sync_folder
+from aoa.storage.pages import PageRelease
 from aoa.storage.safetensors import _prefault as prefault
 from aoa.storage.safetensors import _reserve as reserve
 from aoa.storage.safetensors import partial_path
@@ -33,6 +34,7 @@ class MappedFile:
         self.path = path
         self.size = size
         self._mapping = mapping
+        self._pages = PageRelease(mapping)
         self.data = memoryview(mapping) if mapping is not None else memoryview(b"")
 
     @classmethod
@@ -55,15 +57,13 @@ class MappedFile:
         return self.data[offset:offset + nbytes]
 
     def release(self, offset: int, nbytes: int) -> None:
-        """Drop these bytes' pages from this process's memory (they stay in the page cache)."""
-        if self._mapping is None or not nbytes or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start = offset - offset % mmap.PAGESIZE
-        with contextlib.suppress(OSError, ValueError):
-            self._mapping.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+        """Drop these bytes' pages from this process's memory (they stay in the page cache),
+        in batches (`PageRelease`)."""
+        self._pages.release(offset, nbytes)
 
     def close(self) -> None:
         """Unmap; views still held elsewhere keep the mapping alive until they go."""
+        self._pages.close()
         with contextlib.suppress(BufferError):
             self.data.release()
         if self._mapping is not None:

@@ -19,6 +19,8 @@ a word.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -26,7 +28,7 @@ from typing import NamedTuple
 from aoa.errors import StorageError, quote
 from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc
-from aoa.storage.chunks import Chunk, key_shards
+from aoa.storage.chunks import Chunk, shards_by_key
 from aoa.storage.formats import Source
 from aoa.storage.safetensors import SafetensorsFile
 
@@ -221,22 +223,23 @@ def _shards(files: dict[Path, SafetensorsFile]) -> dict[str, list[tuple[ShardDes
         offsets = _sharding_info(file)
         for key in file.tensors:
             found.setdefault(key, []).append((file, offsets.get(key)))
-    return {key: _key_shards(key, chunks) for key, chunks in found.items()}
+    chunks: dict[str, list[Chunk]] = {}
+    for key, stored in found.items():
+        if len(stored) > 1 and any(offset is None for _, offset in stored):
+            shards_by_key(chunks)  # the keys before it first, as they are listed
+            files_named = ", ".join(str(file.path) for file, _ in stored)
+            raise StorageError(
+                f"tensor '{key}' is stored in several files without {SHARDING_KEY}: "
+                f"{files_named}")
+        chunks[key] = [_chunk(file, key, offset) for file, offset in stored]
+    return shards_by_key(chunks)  # type: ignore[return-value]
 
 
-def _key_shards(key: str, found: list[tuple[SafetensorsFile, tuple[int, ...] | None]]
-                ) -> list[tuple[ShardDesc, _Stored]]:
-    if len(found) > 1 and any(offset is None for _, offset in found):
-        files = ", ".join(str(file.path) for file, _ in found)
-        raise StorageError(
-            f"tensor '{key}' is stored in several files without {SHARDING_KEY}: {files}"
-        )
-    chunks = []
-    for file, offset in found:
-        info = file.tensors[key]
-        chunks.append(Chunk(info.shape, offset or (0,) * len(info.shape), info.dtype,
-                            file.path, _Stored(file, key)))
-    return key_shards(key, chunks)  # type: ignore[return-value]
+def _chunk(file: SafetensorsFile, key: str, offset: tuple[int, ...] | None) -> Chunk:
+    """Tensor ``key`` of ``file`` as a chunk at ``offset`` (None: at the origin)."""
+    info = file.tensors[key]
+    return Chunk(info.shape, offset or (0,) * len(info.shape), info.dtype, file.path,
+                 _Stored(file, key))
 
 
 def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
@@ -246,6 +249,37 @@ def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
         return {}
     where = f"{file.path}: {SHARDING_KEY}"
     info = load_json(text, where, StorageError)
+    return _well_formed_offsets(info, file) or _offsets_entry_by_entry(info, file, where)
+
+
+_INT_ONLY = frozenset({int})
+_LIST_ONLY = frozenset({list})
+_DICT_ONLY = frozenset({dict})
+
+
+def _well_formed_offsets(info: object, file: SafetensorsFile
+                         ) -> dict[str, tuple[int, ...]] | None:
+    """What `_offsets_entry_by_entry` returns, where it finds no fault, made column by
+    column; None at the first doubt (or for no entries), for it to name the fault."""
+    if type(info) is not dict or not info or not file.tensors.keys() >= info.keys():
+        return None
+    entries = list(info.values())
+    if not _DICT_ONLY.issuperset(map(type, entries)):
+        return None
+    saved = list(map(operator.methodcaller("get", OFFSETS_KEY), entries))
+    ranks = [len(file.tensors[key].shape) for key in info]
+    if not (_LIST_ONLY.issuperset(map(type, saved)) and list(map(len, saved)) == ranks):
+        return None
+    numbers = list(itertools.chain.from_iterable(saved))
+    if not _INT_ONLY.issuperset(map(type, numbers)) or min(numbers, default=0) < 0:
+        return None
+    return dict(zip(info, map(tuple, saved)))
+
+
+def _offsets_entry_by_entry(info: object, file: SafetensorsFile, where: str
+                            ) -> dict[str, tuple[int, ...]]:
+    """Global offset of each chunk in ``file`` from its parsed sharding info, each entry
+    checked in turn: the first fault is a StorageError naming the tensor."""
     if not isinstance(info, dict):
         raise StorageError(f"{where} is not an object of key -> saved_offsets")
     offsets: dict[str, tuple[int, ...]] = {}

@@ -1,0 +1,62 @@
+"""Dropping the pages of source bytes read once, a batch at a time."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+from aoa.storage.pages import BATCH_BYTES, PageRelease
+
+PAGE = mmap.PAGESIZE
+
+
+class Recording:
+    """Stands for a mapping: records each madvise."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def madvise(self, option: int, start: int, length: int) -> None:
+        self.calls.append((option, start, length))
+
+
+def test_small_releases_go_in_one_call_per_run_of_pages() -> None:
+    mapping = Recording()
+    pages = PageRelease(mapping)  # type: ignore[arg-type]
+    size = 1000
+    count = -(-BATCH_BYTES // size)  # the last release makes a batch
+    for n in reversed(range(count - 1)):  # in any order: sorted before they are merged
+        pages.release(10 + n * size, size)
+    assert mapping.calls == []  # not a batch yet
+    pages.release(10 + count * size + PAGE, size)  # past a gap of a page
+    assert mapping.calls == [(mmap.MADV_DONTNEED, 0, 10 + (count - 1) * size),
+                             (mmap.MADV_DONTNEED, (10 + count * size + PAGE) // PAGE * PAGE,
+                              (10 + count * size + PAGE) % PAGE + size)]
+
+
+def test_a_large_release_goes_at_once_and_empty_ones_never() -> None:
+    mapping = Recording()
+    pages = PageRelease(mapping)  # type: ignore[arg-type]
+    pages.release(5 * PAGE, 0)
+    pages.release(3 * PAGE + 1, BATCH_BYTES)
+    assert mapping.calls == [(mmap.MADV_DONTNEED, 3 * PAGE, BATCH_BYTES + 1)]
+    pages.release(PAGE, 10)
+    pages.close()
+    pages.flush()
+    assert len(mapping.calls) == 1
+
+
+def test_released_bytes_read_back_the_same(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    data = bytes(range(256)) * (3 * BATCH_BYTES // 256)
+    path.write_bytes(data)
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    pages = PageRelease(mapping)
+    for offset in range(0, len(data), 1 << 16):
+        assert mapping[offset:offset + (1 << 16)] == data[offset:offset + (1 << 16)]
+        pages.release(offset, 1 << 16)
+    pages.flush()
+    assert mapping[:] == data
+    pages.close()
+    mapping.close()
