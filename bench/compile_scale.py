@@ -249,13 +249,16 @@ def measure_aoa(aoa, model: Model, repeats: int) -> dict:
     copies = getattr(plan, "copies", None)
     result = {"seconds": seconds, "targets": planned, "plan_seconds": pass_seconds.get("plan"),
               "entries": None if copies is None else len(copies)}
-    try:
-        from aoa.runtime.lower import kernel_copies
-    except ImportError:  # a checkout without the runtime's lowering
-        return result
+    try:  # what the executor lowers a plan into: the kernel's table of every copy
+        from aoa.runtime.kernel_table import PlanTable as lower_plan
+    except ImportError:  # an older checkout: the list of kernel copies
+        try:
+            from aoa.runtime.lower import kernel_copies as lower_plan
+        except ImportError:  # a checkout without the runtime's lowering
+            return result
     gc.collect()
     start = time.perf_counter()
-    kernel_copies(plan)
+    lower_plan(plan)
     result["lower_seconds"] = time.perf_counter() - start
     return result
 
@@ -460,8 +463,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"Paddle {p_entries:,} entries: {same}")
     lowered = [row for row in rows if (row["aoa"] or {}).get("lower_seconds") is not None]
     if lowered:
-        print("lowering the plan into kernel copies (runtime.lower.kernel_copies), against "
-              "the plan pass of the same run; and compile + plan + lower against Paddle")
+        print("lowering the plan into the kernel's copy table (runtime.kernel_table.PlanTable, "
+              "as the executor does), against the plan pass of the same run; and compile + "
+              "plan + lower against Paddle")
         for row in lowered:
             ours_row, paddle_row = row["aoa"], row["paddle"]
             lower, plan_pass = ours_row["lower_seconds"], ours_row["plan_seconds"]
