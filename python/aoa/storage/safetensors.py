@@ -79,7 +79,8 @@ class SafetensorsFile:
         self.metadata = metadata
         self.tensors = tensors
         self._mapping: mmap.mmap | None = mapping
-        self._pages = PageRelease(mapping)
+        #: drops the pages of bytes read once (`release`), in batches
+        self.pages = PageRelease(mapping)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SafetensorsFile:
@@ -121,11 +122,11 @@ class SafetensorsFile:
         cache, and come back on the next read): keeps a long conversion's resident size
         near what it is writing, not everything it has read. In batches (`PageRelease`)."""
         info = self._info(name)
-        self._pages.release(info.offset, info.nbytes)
+        self.pages.release(info.offset, info.nbytes)
 
     def close(self) -> None:
         """Unmap the file. Views still held elsewhere keep the mapping alive until they go."""
-        self._pages.close()
+        self.pages.close()
         if self._mapping is not None:
             _unmap(self._mapping)
             self._mapping = None

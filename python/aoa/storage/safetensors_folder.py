@@ -39,10 +39,12 @@ OFFSETS_KEY = "saved_offsets"
 
 
 class _Stored(NamedTuple):
-    """Where a shard's bytes are: the open file and the tensor's name in it."""
+    """Where a shard's bytes are: the open file, the tensor's name in it, and its bytes
+    there (``info``, so that dropping them after each read needs no look-up by name)."""
 
     file: SafetensorsFile
     name: str
+    info: TensorInfo
 
 
 class SafetensorsSource(Source[_Stored]):
@@ -59,7 +61,7 @@ class SafetensorsSource(Source[_Stored]):
 
     def release(self, shard: ShardDesc) -> None:
         stored = self.location(shard)
-        stored.file.release(stored.name)
+        stored.file.pages.release(stored.info.offset, stored.info.nbytes)
 
     def file_of(self, shard: ShardDesc) -> Path:
         return self.location(shard).file.path
@@ -232,7 +234,8 @@ def _shards(files: dict[Path, SafetensorsFile]) -> dict[str, list[tuple[ShardDes
                 f"tensor '{key}' is stored in several files without {SHARDING_KEY}: "
                 f"{files_named}")
         chunks[key] = [Chunk(info.shape, offset or (0,) * len(info.shape), info.dtype,
-                             file.path, _Stored(file, key)) for file, offset, info in stored]
+                             file.path, _Stored(file, key, info))
+                       for file, offset, info in stored]
     return shards_by_key(chunks)  # type: ignore[return-value]
 
 
