@@ -179,8 +179,9 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
                       ) -> tuple[dict[str, str], dict[str, TensorInfo]] | None:
     """What `_read_entry_by_entry` returns, for a header that passes all of its checks,
     made column by column (every entry's dtype, then every shape, ...) with no Python call
-    per entry: a header of 31k entries takes milliseconds instead of a second. None at the
-    first doubt; the entry-by-entry reading then finds the fault and names it.
+    per entry: the checks of a header of 31k entries take tens of milliseconds, a tenth of
+    checking entry by entry (parsing the JSON is most of what is left). None at the first
+    doubt; the entry-by-entry reading then finds the fault and names it.
 
     JSON objects are read as tuples of pairs, so that a key named twice in one object
     shows as a dict shorter than its pairs; arrays stay lists."""
