@@ -68,7 +68,7 @@ class ShardDesc:
     @property
     def nbytes(self) -> int:
         """Bytes of the box (dtype None reads as float32, as in Paddle)."""
-        return prod(self.local_shape) * itemsize(self.dtype or "float32")
+        return prod(self.local_shape) * ITEMSIZES[self.dtype or "float32"]
 
     def to_json(self) -> dict:
         return {"key": self.key, "local_shape": list(self.local_shape),

@@ -15,6 +15,8 @@ import mmap
 
 #: Bytes of released ranges held back before their pages are dropped (per mapping).
 BATCH_BYTES = 4 << 20
+#: Whether this system can drop a mapping's pages (Linux, macOS).
+_CAN_DROP = hasattr(mmap, "MADV_DONTNEED")
 
 
 class PageRelease:
@@ -28,7 +30,7 @@ class PageRelease:
     def release(self, offset: int, nbytes: int) -> None:
         """Drop the pages of bytes [offset, offset + nbytes) (those they share with other
         bytes too) once `BATCH_BYTES` are pending."""
-        if self._mapping is None or not nbytes or not hasattr(mmap, "MADV_DONTNEED"):
+        if self._mapping is None or not nbytes or not _CAN_DROP:
             return
         self._ranges.append((offset, offset + nbytes))
         self._pending += nbytes

@@ -79,7 +79,8 @@ class SafetensorsFile:
         self.metadata = metadata
         self.tensors = tensors
         self._mapping: mmap.mmap | None = mapping
-        self._pages = PageRelease(mapping)
+        #: drops the pages of bytes read once (`release`), in batches
+        self.pages = PageRelease(mapping)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SafetensorsFile:
@@ -121,11 +122,11 @@ class SafetensorsFile:
         cache, and come back on the next read): keeps a long conversion's resident size
         near what it is writing, not everything it has read. In batches (`PageRelease`)."""
         info = self._info(name)
-        self._pages.release(info.offset, info.nbytes)
+        self.pages.release(info.offset, info.nbytes)
 
     def close(self) -> None:
         """Unmap the file. Views still held elsewhere keep the mapping alive until they go."""
-        self._pages.close()
+        self.pages.close()
         if self._mapping is not None:
             _unmap(self._mapping)
             self._mapping = None
@@ -178,8 +179,9 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
                       ) -> tuple[dict[str, str], dict[str, TensorInfo]] | None:
     """What `_read_entry_by_entry` returns, for a header that passes all of its checks,
     made column by column (every entry's dtype, then every shape, ...) with no Python call
-    per entry: a header of 31k entries takes milliseconds instead of a second. None at the
-    first doubt; the entry-by-entry reading then finds the fault and names it.
+    per entry: the checks of a header of 31k entries take tens of milliseconds, a tenth of
+    checking entry by entry (parsing the JSON is most of what is left). None at the first
+    doubt; the entry-by-entry reading then finds the fault and names it.
 
     JSON objects are read as tuples of pairs, so that a key named twice in one object
     shows as a dict shorter than its pairs; arrays stay lists."""

@@ -30,7 +30,7 @@ from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc
 from aoa.storage.chunks import Chunk, shards_by_key
 from aoa.storage.formats import Source
-from aoa.storage.safetensors import SafetensorsFile
+from aoa.storage.safetensors import SafetensorsFile, TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -39,10 +39,12 @@ OFFSETS_KEY = "saved_offsets"
 
 
 class _Stored(NamedTuple):
-    """Where a shard's bytes are: the open file and the tensor's name in it."""
+    """Where a shard's bytes are: the open file, the tensor's name in it, and its bytes
+    there (``info``, so that dropping them after each read needs no look-up by name)."""
 
     file: SafetensorsFile
     name: str
+    info: TensorInfo
 
 
 class SafetensorsSource(Source[_Stored]):
@@ -59,7 +61,7 @@ class SafetensorsSource(Source[_Stored]):
 
     def release(self, shard: ShardDesc) -> None:
         stored = self.location(shard)
-        stored.file.release(stored.name)
+        stored.file.pages.release(stored.info.offset, stored.info.nbytes)
 
     def file_of(self, shard: ShardDesc) -> Path:
         return self.location(shard).file.path
@@ -218,28 +220,23 @@ def _check_index(
 
 def _shards(files: dict[Path, SafetensorsFile]) -> dict[str, list[tuple[ShardDesc, _Stored]]]:
     """Every stored chunk, grouped by key, with global shapes and the checks between chunks."""
-    found: dict[str, list[tuple[SafetensorsFile, tuple[int, ...] | None]]] = {}
+    found: dict[str, list[tuple[SafetensorsFile, tuple[int, ...] | None, TensorInfo]]] = {}
     for file in files.values():
         offsets = _sharding_info(file)
-        for key in file.tensors:
-            found.setdefault(key, []).append((file, offsets.get(key)))
+        for key, info in file.tensors.items():
+            found.setdefault(key, []).append((file, offsets.get(key), info))
     chunks: dict[str, list[Chunk]] = {}
     for key, stored in found.items():
-        if len(stored) > 1 and any(offset is None for _, offset in stored):
+        if len(stored) > 1 and any(offset is None for _, offset, _ in stored):
             shards_by_key(chunks)  # the keys before it first, as they are listed
-            files_named = ", ".join(str(file.path) for file, _ in stored)
+            files_named = ", ".join(str(file.path) for file, _, _ in stored)
             raise StorageError(
                 f"tensor '{key}' is stored in several files without {SHARDING_KEY}: "
                 f"{files_named}")
-        chunks[key] = [_chunk(file, key, offset) for file, offset in stored]
+        chunks[key] = [Chunk(info.shape, offset or (0,) * len(info.shape), info.dtype,
+                             file.path, _Stored(file, key, info))
+                       for file, offset, info in stored]
     return shards_by_key(chunks)  # type: ignore[return-value]
-
-
-def _chunk(file: SafetensorsFile, key: str, offset: tuple[int, ...] | None) -> Chunk:
-    """Tensor ``key`` of ``file`` as a chunk at ``offset`` (None: at the origin)."""
-    info = file.tensors[key]
-    return Chunk(info.shape, offset or (0,) * len(info.shape), info.dtype, file.path,
-                 _Stored(file, key))
 
 
 def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
