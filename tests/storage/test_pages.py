@@ -60,3 +60,21 @@ def test_released_bytes_read_back_the_same(tmp_path: Path) -> None:
     assert mapping[:] == data
     pages.close()
     mapping.close()
+
+
+def test_many_releases_at_once_drop_what_one_by_one_drops() -> None:
+    ranges = [(n * 3000 + 7, 2500 * (n % 3)) for n in reversed(range(2 * BATCH_BYTES // 3000))]
+    one_by_one, at_once = Recording(), Recording()
+    pages = PageRelease(one_by_one)  # type: ignore[arg-type]
+    for offset, nbytes in ranges:
+        pages.release(offset, nbytes)
+    pages.flush()
+    batch = PageRelease(at_once)  # type: ignore[arg-type]
+    batch.release_many(ranges)
+    batch.flush()
+    def dropped(calls: list[tuple[int, int, int]]) -> set[int]:
+        return {page for _, start, length in calls
+                for page in range(start // PAGE, (start + length - 1) // PAGE + 1)}
+
+    assert len(at_once.calls) <= len(one_by_one.calls)
+    assert dropped(at_once.calls) == dropped(one_by_one.calls) != set()

@@ -12,6 +12,7 @@ from safetensors_files import dcp_file, hf_index
 from sharding import assemble
 
 from aoa.errors import StorageError
+from aoa.layout import ShardDesc
 from aoa.storage import open_source
 
 
@@ -64,6 +65,34 @@ def test_hugging_face_index_folder(tmp_path: Path) -> None:
         b = checkpoint.shards["b"][0]
         assert checkpoint.file_of(b) == tmp_path / "model-00002-of-00002.safetensors"
         assert bytes(checkpoint.buffer(checkpoint.shards["b"][0])) == arange(3).tobytes()
+
+
+def test_many_shards_at_once_across_files(tmp_path: Path, monkeypatch) -> None:
+    """`buffers` and `release_many` (a fill's shards in one call) read and drop what `buffer`
+    and `release` of each do, in the order asked, across files; a shard the source lacks is
+    named as `buffer` names it."""
+    import aoa.storage.pages as pages
+
+    monkeypatch.setattr(pages, "BATCH_BYTES", 1)  # every release drops its pages at once
+    arrays = {"a": arange(2), "b": arange(3, 5), "c": arange(1)}
+    save_file({"a": arrays["a"], "c": arrays["c"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": arrays["b"]}, tmp_path / "model-00002-of-00002.safetensors")
+    hf_index(tmp_path, {"a": "model-00001-of-00002.safetensors",
+                        "b": "model-00002-of-00002.safetensors",
+                        "c": "model-00001-of-00002.safetensors"})
+    with open_source(tmp_path) as checkpoint:
+        shards = [checkpoint.shards[key][0] for key in ("c", "b", "a", "b")]
+        views = checkpoint.buffers(shards)
+        assert [bytes(view) for view in views] == [
+            arrays[key].tobytes() for key in ("c", "b", "a", "b")]
+        checkpoint.release_many(shards)
+        assert [bytes(view) for view in checkpoint.buffers(shards)] == [
+            arrays[key].tobytes() for key in ("c", "b", "a", "b")]
+        stray = ShardDesc.full("d", (2,), "float32")
+        expected = storage_error(checkpoint.buffer, stray)
+        assert expected == f"{tmp_path}: holds no shard of 'd' at global offset [0]"
+        assert storage_error(checkpoint.buffers, [shards[0], stray]) == expected
+        assert storage_error(checkpoint.release_many, [stray]) == expected
 
 
 def test_index_naming_a_missing_shard_file(tmp_path: Path) -> None:

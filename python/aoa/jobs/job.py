@@ -83,6 +83,19 @@ class Job:
 
         return source_buffer
 
+    def source_buffers(self, read: dict[int, ShardDesc] | None = None
+                       ) -> Callable[[list[int]], list[object]]:
+        """`source_buffer` of many plan indices at once (what an executor's fill asks)."""
+        plan, source = self.plan, self.source
+
+        def source_buffers(indices: list[int]) -> list[object]:
+            shards = [plan.sources[index] for index in indices]
+            if read is not None:
+                read.update(zip(indices, shards))
+            return list(source.buffers(shards))
+
+        return source_buffers
+
     def executor(self, *, backend: str = "cpp", threads: int | None = None,
                  progress: Callable[[int], None] | None = None,
                  read: dict[int, ShardDesc] | None = None,
@@ -94,13 +107,13 @@ class Job:
 
         def release(indices: list[int]) -> None:
             shards = plan.sources
-            for index in indices:
-                source.release(shards[index])
+            source.release_many([shards[index] for index in indices])
 
         def source_file(index: int) -> object:
             return source.file_of(plan.sources[index])
 
         return PlanExecutor(plan, self.source_buffer(read), backend=backend, threads=threads,
+                            source_buffers=self.source_buffers(read),
                             progress=progress, release=release if release_pages else None,
                             clear_untouched=clear_untouched, source_file=source_file)
 

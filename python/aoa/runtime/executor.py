@@ -65,7 +65,8 @@ class PlanExecutor:
     """Fills destination shards of ``plan`` from source buffers.
 
     ``source_buffer(i)`` returns the buffer of ``plan.sources[i]`` (C order, its dtype);
-    it is asked once per source shard, when a copy first needs it. ``release(indices)``,
+    it is asked once per source shard, when a copy first needs it; ``source_buffers``, if
+    given, is asked instead, for all of a fill's new shards at once. ``release(indices)``,
     if given, is told after a fill, all at once, which source shards to drop the pages of
     (`aoa.runtime.releases`: those read for the last time, or all those kept once they
     pass a bound).
@@ -83,7 +84,8 @@ class PlanExecutor:
                  progress: Callable[[int], None] | None = None,
                  release: Callable[[list[int]], None] | None = None,
                  clear_untouched: bool = False,
-                 source_file: Callable[[int], object] | None = None) -> None:
+                 source_file: Callable[[int], object] | None = None,
+                 source_buffers: Callable[[list[int]], list[Buffer]] | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (choose from {BACKENDS})")
         self.plan = plan
@@ -91,6 +93,7 @@ class PlanExecutor:
         self.threads = threads
         self.progress = progress
         self._source_buffer = source_buffer
+        self._source_buffers = source_buffers
         self._source_file = source_file
         self._sources: dict[int, Buffer] = {}
         self._table = PlanTable(plan)
@@ -178,8 +181,11 @@ class PlanExecutor:
         table[where] = slots
         used_list = used.tolist()
         cached = self._sources
-        for index in used_list:
-            if index not in cached:
+        new = [index for index in used_list if index not in cached]
+        if self._source_buffers is not None and new:
+            cached.update(zip(new, self._source_buffers(new)))
+        else:
+            for index in new:
                 cached[index] = self._source_buffer(index)
         sources = [cached[index] for index in used_list]
         try:

@@ -121,13 +121,32 @@ class Source(ABC, Generic[Location]):
             raise StorageError(f"{self.path}: holds no shard of '{shard.key}' at global offset "
                                f"{list(shard.global_offset)}") from None
 
+    def locations(self, shards: Sequence[ShardDesc]) -> list[Location]:
+        """`location` of each shard."""
+        get = self._locations.get
+        found = [get((shard.key, shard.global_offset)) for shard in shards]
+        for shard, location in zip(shards, found):
+            if location is None:
+                self.location(shard)  # says which
+        return found  # type: ignore[return-value]
+
     @abstractmethod
     def buffer(self, shard: ShardDesc) -> memoryview:
         """The shard's bytes, C order, read-only (a view of the file's mapping where it can)."""
 
+    def buffers(self, shards: Sequence[ShardDesc]) -> list[memoryview]:
+        """`buffer` of each shard: what an executor asks a fill's new shards for, at once (a
+        format holding many small tensors per file answers in bulk)."""
+        return [self.buffer(shard) for shard in shards]
+
     def release(self, shard: ShardDesc) -> None:
         """Drop the pages of a shard read once from this process's memory (they stay in the
         page cache): keeps a long job's resident size near what it writes."""
+
+    def release_many(self, shards: Sequence[ShardDesc]) -> None:
+        """`release` of each shard (in bulk where the format can)."""
+        for shard in shards:
+            self.release(shard)
 
     @abstractmethod
     def file_of(self, shard: ShardDesc) -> Path:

@@ -37,6 +37,15 @@ class PageRelease:
         if self._pending >= BATCH_BYTES:
             self.flush()
 
+    def release_many(self, ranges: list[tuple[int, int]]) -> None:
+        """`release` of each (offset, nbytes), the batch checked once at the end."""
+        if self._mapping is None or not _CAN_DROP:
+            return
+        self._ranges += [(offset, offset + nbytes) for offset, nbytes in ranges if nbytes]
+        self._pending += sum(nbytes for _, nbytes in ranges)
+        if self._pending >= BATCH_BYTES:
+            self.flush()
+
     def flush(self) -> None:
         """Drop the pages of every pending range now."""
         ranges, self._ranges, self._pending = sorted(self._ranges), [], 0

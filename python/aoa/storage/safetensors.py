@@ -110,6 +110,14 @@ class SafetensorsFile:
             raise StorageError(f"{self.path}: closed; cannot read tensor '{name}'")
         return memoryview(self._mapping)[info.offset : info.offset + info.nbytes]
 
+    def buffers(self, names: list[str]) -> list[memoryview]:
+        """`buffer` of each name, sliced from one view of the mapping."""
+        infos = self._infos(names)
+        if self._mapping is None:
+            raise StorageError(f"{self.path}: closed; cannot read tensor '{names[0]}'")
+        whole = memoryview(self._mapping)
+        return [whole[info.offset : info.offset + info.nbytes] for info in infos]
+
     def array(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a read-only numpy view (bf16 and fp8 through ml_dtypes)."""
         import numpy as np
@@ -136,6 +144,13 @@ class SafetensorsFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _infos(self, names: list[str]) -> list[TensorInfo]:
+        tensors = self.tensors
+        try:
+            return [tensors[name] for name in names]
+        except KeyError as missing:
+            raise StorageError(f"{self.path}: no tensor '{missing.args[0]}'") from None
 
     def _info(self, name: str) -> TensorInfo:
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import operator
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,9 +60,24 @@ class SafetensorsSource(Source[_Stored]):
         stored = self.location(shard)
         return stored.file.buffer(stored.name)
 
+    def buffers(self, shards: Sequence[ShardDesc]) -> list[memoryview]:
+        located = self.locations(shards)
+        views: list[memoryview] = [memoryview(b"")] * len(located)
+        for file, positions in _by_file(located):
+            found = file.buffers([located[position].name for position in positions])
+            for position, view in zip(positions, found):
+                views[position] = view
+        return views
+
     def release(self, shard: ShardDesc) -> None:
         stored = self.location(shard)
         stored.file.pages.release(stored.info.offset, stored.info.nbytes)
+
+    def release_many(self, shards: Sequence[ShardDesc]) -> None:
+        located = self.locations(shards)
+        for file, positions in _by_file(located):
+            file.pages.release_many([(located[position].info.offset,
+                                      located[position].info.nbytes) for position in positions])
 
     def file_of(self, shard: ShardDesc) -> Path:
         return self.location(shard).file.path
@@ -72,6 +88,18 @@ class SafetensorsSource(Source[_Stored]):
     def close(self) -> None:
         for file in self._files.values():
             file.close()
+
+
+def _by_file(located: list[_Stored]) -> list[tuple[SafetensorsFile, list[int]]]:
+    """Stored shards grouped by file: each file, and the positions in ``located`` of its
+    shards."""
+    groups: dict[int, tuple[SafetensorsFile, list[int]]] = {}
+    for position, stored in enumerate(located):
+        group = groups.get(id(stored.file))
+        if group is None:
+            group = groups[id(stored.file)] = (stored.file, [])
+        group[1].append(position)
+    return list(groups.values())
 
 
 def claims(path: Path) -> bool:
