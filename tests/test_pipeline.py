@@ -55,3 +55,31 @@ def test_stopping_after_propagate_shapes_plans_on_demand():
     assert [d.key for d in compilation.plan().destinations] == ["v"]
     with pytest.raises(TypeError, match="at least through propagate_shapes"):
         analyze("w -> v", {"w": sharded("w", (4,), 1, 0)}, None, passes=through(expand_macros))
+
+
+def test_a_template_matches_the_keys_with_digits_where_its_ids_are():
+    """An id is a run of digits between the template's texts, which may hold digits of their
+    own (`fc1`); keys that end alike past their last digit (`m.3.fc2.w`) or hold no id
+    (`m.x.fc1.w`) are not instances. Ids come in numeric order."""
+    keys = ["m.0.fc1.w", "m.12.fc1.w", "m.3.fc2.w", "m.x.fc1.w", "m.4.fc1.w.b", "n.5.fc1.w",
+            "m.7.fc1.w", "m.1.e.2.w", "m.1.e.x.w", "m.10.e.3.w", "m.10.e.2.w", "m.1.e.3.w"]
+    expanded = []
+    analyze(["m.$LAYER_ID.fc1.w -> o.$LAYER_ID.w", "m.$LAYER_ID.e.$EXPERT_ID.w -> "
+             "p.$LAYER_ID.$EXPERT_ID.w"], {k: sharded(k, (2,), 1, 0) for k in keys},
+            after_pass=lambda name, ir, ctx, seconds: name == "expand_macros"
+            and expanded.extend(map(str, ir.statements)))
+    assert expanded == ["m.0.fc1.w -> o.0.w", "m.7.fc1.w -> o.7.w", "m.12.fc1.w -> o.12.w",
+                        "m.1.e.2.w -> p.1.2.w", "m.10.e.2.w -> p.10.2.w",
+                        "m.1.e.3.w -> p.1.3.w", "m.10.e.3.w -> p.10.3.w"]
+
+
+def test_boxes_side_by_side_are_told_apart_without_comparing_pairs():
+    """The plan pass's shortcut before its pair-by-pair check for boxes written twice: True
+    only for boxes alike but along one axis, where none overlaps the next."""
+    from aoa.passes.plan import _side_by_side
+    row = [((0, 4), (8, 6), "b"), ((0, 0), (8, 4), "a"), ((0, 6), (8, 9), "c")]
+    assert _side_by_side(row)
+    assert _side_by_side([((2,), (5,), "a"), ((0,), (2,), "b")])
+    assert not _side_by_side([((0, 0), (8, 4), "a"), ((0, 3), (8, 6), "b")])  # overlap
+    assert not _side_by_side([((0, 0), (4, 4), "a"), ((4, 4), (8, 8), "b")])  # two axes
+    assert not _side_by_side([((), (), "a"), ((), (), "b")])  # 0-d: left to the pairs

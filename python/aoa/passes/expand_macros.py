@@ -51,8 +51,10 @@ class _SortedKeys:
     @functools.cached_property
     def _by_tail(self) -> dict[str, list[str]]:
         by_tail: dict[str, list[str]] = {}
+        last_digit = _LAST_DIGIT.match  # `_tail`, inline: a model has 100k keys
         for key in self.keys:
-            by_tail.setdefault(_tail(key), []).append(key)
+            found = last_digit(key)
+            by_tail.setdefault(key[found.end():] if found else key, []).append(key)
         return by_tail
 
     def ending_as(self, suffix: str) -> list[str]:
@@ -128,8 +130,10 @@ class _Expander:
         names = _names(statement)
         texts = "\n".join([n.text for n in names])  # names hold no newline
         macros = []
-        if "$LAYER_ID" in texts or "$EXPERT_ID" in texts:  # $LAYER_ID_OFFSET too
-            macros += [self.layer_id_offset, self.ids]
+        if LAYER_ID_OFFSET in texts:
+            macros.append(self.layer_id_offset)
+        if "$LAYER_ID" in texts or "$EXPERT_ID" in texts:  # what $LAYER_ID_OFFSET leaves too
+            macros.append(self.ids)
         # filling in ids and offsets makes no `[a:b]` and no `*`: a statement without them
         # skips those two macros for all of its (maybe thousands of) instances
         if any(n.array for n in names):
