@@ -49,10 +49,9 @@ class DcpSafetensorsDestination(Destination):
 
     def layout(self, file: OutputFile) -> FileLayout:
         """The rank's shards under their keys, each one's global offset in the metadata."""
-        shards = [(index, self.shards[index]) for index in file.shards]
-        metadata = {SHARDING_KEY: sharding_info([shard for _, shard in shards]),
-                    **_DCP_VERSION}
-        return file_layout(shards, self.folder / file.filename, metadata)
+        shards = list(map(self.shards.__getitem__, file.shards))
+        metadata = {SHARDING_KEY: sharding_info(shards), **_DCP_VERSION}
+        return file_layout(shards, file.shards, self.folder / file.filename, metadata)
 
 
 def sharding_info(shards: Sequence[ShardDesc]) -> str:
