@@ -14,7 +14,7 @@ import json.encoder
 import operator
 from collections.abc import Sequence
 
-from aoa.layout import ShardDesc
+from aoa.layout import ShardDesc, shards_nbytes
 from aoa.storage.formats import Destination, FileLayout, Format, OutputFile
 from aoa.storage.safetensors import file_layout
 from aoa.storage.safetensors_folder import (
@@ -42,9 +42,10 @@ class DcpSafetensorsDestination(Destination):
         """``rank-00000-of-00004.safetensors`` ... (ranks counted from 0); without ranks, one
         rank holds every shard."""
         groups = [range(len(shards))] if ranks is None else ranks
+        nbytes = shards_nbytes(shards)
         count = len(groups)
         return [OutputFile(f"rank-{rank:05d}-of-{count:05d}.safetensors", tuple(indices),
-                           sum(shards[i].nbytes for i in indices))
+                           sum(map(nbytes.__getitem__, indices)))
                 for rank, indices in enumerate(groups)]
 
     def layout(self, file: OutputFile) -> FileLayout:
