@@ -381,22 +381,27 @@ def _unmap(mapping: mmap.mmap) -> None:
 def header_bytes(tensors: Sequence[ShardDesc], metadata: dict[str, str] | None) -> bytes:
     """Length prefix and JSON header for ``tensors`` stored back to back in the given order,
     padded with spaces to a multiple of 8 bytes as the reference implementation does."""
-    return _header(_columns(tensors), metadata)
+    return _header(_columns(tensors, list(map(_KEY, tensors))), metadata)
 
 
 class _Columns(NamedTuple):
-    """Tensors as columns: each one's key, bytes, item size and the header text between its
-    key and its data offsets (``:{"dtype":...,"data_offsets":[``)."""
+    """Tensors as columns: each one's key, the key as JSON text, bytes, item size and the
+    header text between its key and its data offsets (``:{"dtype":...,"data_offsets":[``)."""
 
     keys: list[str]
+    key_texts: Sequence[str]
     sizes: list[int]
     itemsizes: list[int]
     middles: list[str]
 
 
-def _columns(tensors: Sequence[ShardDesc]) -> _Columns:
-    """`_Columns` of ``tensors``, all that depends only on dtype and shape worked out once
-    per `shard_kinds` kind: a file of 30k shards of a few dozen shapes in milliseconds."""
+def _columns(tensors: Sequence[ShardDesc], keys: list[str],
+             key_texts: Sequence[str] | None = None) -> _Columns:
+    """`_Columns` of ``tensors`` (``keys``, and their JSON text where the caller has it),
+    all that depends only on dtype and shape worked out once per `shard_kinds` kind: a file
+    of 30k shards of a few dozen shapes in milliseconds."""
+    if key_texts is None:
+        key_texts = list(map(json.encoder.encode_basestring, keys))  # type: ignore[attr-defined]
     numbers, kinds = shard_kinds(tensors)
     sizes, itemsizes, middles = {}, {}, {}
     for number, (dtype, shape) in kinds.items():
@@ -404,7 +409,7 @@ def _columns(tensors: Sequence[ShardDesc]) -> _Columns:
         sizes[number] = math.prod(shape) * itemsizes[number]
         middles[number] = (f':{{"dtype":"{SAFETENSORS_NAMES[dtype]}",'  # type: ignore[index]
                            f'"shape":[{",".join(map(str, shape))}],"data_offsets":[')
-    return _Columns(list(map(_KEY, tensors)), list(map(sizes.__getitem__, numbers)),
+    return _Columns(keys, key_texts, list(map(sizes.__getitem__, numbers)),
                     list(map(itemsizes.__getitem__, numbers)),
                     list(map(middles.__getitem__, numbers)))
 
@@ -413,10 +418,9 @@ def _header(columns: _Columns, metadata: dict[str, str] | None) -> bytes:
     """`header_bytes` of tensors given as columns. The text is what ``json.dumps`` makes of
     the header object (compact separators, not ASCII-escaped), put together column by
     column in one join: many times faster than building the object and dumping it."""
-    key_text = json.encoder.encode_basestring  # type: ignore[attr-defined]
     offsets = list(map(str, itertools.accumulate(columns.sizes, initial=0)))
     entries = "".join(itertools.chain.from_iterable(zip(
-        map(key_text, columns.keys), columns.middles, offsets[:-1], itertools.repeat(","),
+        columns.key_texts, columns.middles, offsets[:-1], itertools.repeat(","),
         offsets[1:], itertools.repeat("]},"))))[:-1]
     metadata_text = (f'"{_METADATA_KEY}":' + json.dumps(metadata, separators=(",", ":"),
                                                       ensure_ascii=False)) if metadata else ""
@@ -427,11 +431,14 @@ def _header(columns: _Columns, metadata: dict[str, str] | None) -> bytes:
 
 
 def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path,
-                metadata: dict[str, str] | None = None) -> FileLayout:
+                metadata: dict[str, str] | None = None, *,
+                key_texts: Sequence[str] | None = None) -> FileLayout:
     """A destination's safetensors file: the header, then ``tensors`` (destination shards
-    ``indices``) back to back, in this order, each under its key."""
-    _check_specs(path, tensors, metadata)
-    columns = _columns(tensors)
+    ``indices``) back to back, in this order, each under its key; ``key_texts``: each key
+    as JSON text (``json.dumps`` of it, not ASCII-escaped), where the caller has them."""
+    keys = list(map(_KEY, tensors))
+    _check_specs(path, tensors, keys, metadata)
+    columns = _columns(tensors, keys, key_texts)
     header = _header(columns, metadata)
     offsets = list(itertools.accumulate(columns.sizes, initial=len(header)))
     size = offsets.pop()
@@ -440,14 +447,14 @@ def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path
 
 
 _KEY = operator.attrgetter("key")
+_DTYPE = operator.attrgetter("dtype")
 
 
-def _check_specs(
-    path: Path, tensors: Sequence[ShardDesc], metadata: dict[str, str] | None
-) -> None:
-    keys = [spec.key for spec in tensors]
-    if (len(set(keys)) < len(keys) or _METADATA_KEY in keys
-            or not SAFETENSORS_NAMES.keys() >= {spec.dtype for spec in tensors}):
+def _check_specs(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
+                 metadata: dict[str, str] | None) -> None:
+    unique = set(keys)
+    if (len(unique) < len(keys) or _METADATA_KEY in unique
+            or not SAFETENSORS_NAMES.keys() >= set(map(_DTYPE, tensors))):
         _check_each_spec(path, tensors)
     if metadata is not None and not all(
         isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
@@ -484,8 +491,9 @@ class SafetensorsWriter:
     ) -> None:
         self.path = Path(path)
         self.partial = partial_path(self.path)
-        _check_specs(self.path, tensors, metadata)
-        columns = _columns(tensors)
+        keys = list(map(_KEY, tensors))
+        _check_specs(self.path, tensors, keys, metadata)
+        columns = _columns(tensors, keys)
         header = _header(columns, metadata)
         self._ranges: dict[str, tuple[int, int]] = {}
         offset = len(header)
