@@ -104,6 +104,34 @@ _set_key, _set_local_shape, _set_global_shape, _set_global_offset, _set_dtype = 
 ShardInfo = Mapping[str, Sequence[ShardDesc]]
 
 
+def shard_kinds(shards: Sequence[ShardDesc]
+                ) -> tuple[list[int], dict[int, tuple[str | None, tuple[int, ...]]]]:
+    """Each shard's kind, a number naming its (dtype, local shape), and the pair of each
+    number: what depends only on these is worked out once per kind, and a list of 100k
+    shards of a few dozen shapes costs a few C-level passes, no Python call per shard."""
+    dtypes = set(map(_DTYPE, shards))
+    keys: list = (list(map(_LOCAL_SHAPE, shards)) if len(dtypes) == 1  # no pair per shard
+                  else list(zip(map(_DTYPE, shards), map(_LOCAL_SHAPE, shards))))
+    first: dict = {}  # key -> where it is first seen, its number
+    numbers = list(map(first.setdefault, keys, itertools.count()))
+    if len(dtypes) == 1:
+        (dtype,) = dtypes
+        return numbers, {number: (dtype, shape) for shape, number in first.items()}
+    return numbers, {number: kind for kind, number in first.items()}
+
+
+def shards_nbytes(shards: Sequence[ShardDesc]) -> list[int]:
+    """Each shard's `ShardDesc.nbytes`, worked out once per `shard_kinds` kind."""
+    numbers, kinds = shard_kinds(shards)
+    nbytes = {number: prod(shape) * ITEMSIZES[dtype or "float32"]
+              for number, (dtype, shape) in kinds.items()}
+    return list(map(nbytes.__getitem__, numbers))
+
+
+_DTYPE = operator.attrgetter("dtype")
+_LOCAL_SHAPE = operator.attrgetter("local_shape")
+
+
 @functools.lru_cache(maxsize=1 << 20)
 def split_optimizer_suffix(key: str) -> tuple[str, str | None]:
     """(model-state key, suffix) for the first suffix in Paddle's order that ``key`` ends with."""

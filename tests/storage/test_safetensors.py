@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -19,10 +20,11 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from aoa.dtypes import NUMPY_DTYPES, SAFETENSORS_CODES
+from aoa.dtypes import ITEMSIZES, NUMPY_DTYPES, SAFETENSORS_CODES
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
-from aoa.storage.dcp_safetensors import sharding_info
+from aoa.storage.dcp_safetensors import DcpSafetensorsDestination, sharding_info
+from aoa.storage.formats import ShardSpan
 from aoa.storage.safetensors import (
     MAX_HEADER_BYTES,
     SafetensorsFile,
@@ -509,3 +511,27 @@ def test_unknown_tensor_name(tmp_path: Path) -> None:
     with SafetensorsFile.open(path) as file, pytest.raises(StorageError) as caught:
         file.buffer("v")
     assert caught.value.message == f"{path}: no tensor 'v'"
+
+
+@settings(max_examples=100, deadline=None)
+@given(specs=st.lists(st.tuples(KEYS, st.sampled_from(ALL_DTYPES),
+                                st.lists(st.integers(0, 300), max_size=3)),
+                      max_size=6, unique_by=lambda spec: spec[0]))
+def test_a_dcp_safetensors_layout_is_its_header_then_its_shards(specs) -> None:
+    """A rank's file as the dcp-safetensors destination lays it out: the header json.dumps
+    makes (the key texts shared with DCP_SHARDING_INFO where the keys are ASCII), then the
+    shards back to back."""
+    tensors = [ShardDesc(key, tuple(shape), tuple(shape), (0,) * len(shape), dtype)
+               for key, dtype, shape in specs]
+    files = DcpSafetensorsDestination.plan_files(tensors, None)
+    destination = DcpSafetensorsDestination(Path("/nonexistent"), tensors, files)
+    layout = destination.layout(files[0])
+    header = dumped_header(tensors, {"DCP_SHARDING_INFO": json.dumps(
+        {spec.key: {"saved_offsets": list(spec.global_offset)} for spec in tensors}),
+        "DCP_VERSION": "1.0"})
+    assert layout.fixed == [(0, header)]
+    offsets = list(itertools.accumulate((spec.nbytes for spec in tensors), initial=len(header)))
+    assert list(layout.shards) == [
+        ShardSpan(i, offset, spec.nbytes, ITEMSIZES[spec.dtype])
+        for i, (offset, spec) in enumerate(zip(offsets, tensors))]
+    assert layout.size == offsets[-1] == len(header) + files[0].nbytes

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from aoa.errors import StorageError
 from aoa.storage import writer
-from aoa.storage.formats import FileLayout, Piece, ShardSpan
+from aoa.storage.formats import FileLayout, Piece, ShardSpan, ShardSpans
 from aoa.storage.writer import ALIGNMENT, StagingBuffers, write_file
 
 
@@ -78,9 +78,14 @@ def layouts(draw) -> FileLayout:
 
 @settings(max_examples=60, deadline=None)
 @given(layout=layouts(), buffer_bytes=st.sampled_from([2 * ALIGNMENT, 3 * ALIGNMENT,
-                                                        16 * ALIGNMENT]))
+                                                        16 * ALIGNMENT]),
+       as_columns=st.booleans())
 def test_every_byte_lands_where_the_layout_says(tmp_path_factory, layout: FileLayout,
-                                                 buffer_bytes: int) -> None:
+                                                 buffer_bytes: int, as_columns: bool) -> None:
+    """Whether the layout lists its spans or gives them as `ShardSpans` columns."""
+    if as_columns:
+        columns = [[span[field] for span in layout.shards] for field in range(4)]
+        layout = FileLayout(layout.size, layout.fixed, ShardSpans(*columns))
     path = tmp_path_factory.mktemp("writer") / "file"
     fill = Recorder(layout)
     with StagingBuffers(2, buffer_bytes) as buffers:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 from aoa.errors import StorageError
-from aoa.layout import ShardDesc
+from aoa.layout import ShardDesc, shards_nbytes
 from aoa.limits import usable_cpus
 from aoa.storage import pickler, unpickler
 from aoa.storage.chunks import Chunk, key_shards
@@ -362,8 +362,9 @@ class DcpDestination(Destination):
                    *, max_file_bytes: int | None = None) -> list[OutputFile]:
         """``__{rank}_0.distcp`` (ranks from 0); without ranks, rank 0 holds every shard."""
         groups = [range(len(shards))] if ranks is None else ranks
+        nbytes = shards_nbytes(shards)
         return [OutputFile(f"__{rank}_0.distcp", tuple(indices),
-                           sum(shards[i].nbytes for i in indices))
+                           sum(map(nbytes.__getitem__, indices)))
                 for rank, indices in enumerate(groups)]
 
     def _items(self) -> dict[str, tuple[list[_Item], int]]:

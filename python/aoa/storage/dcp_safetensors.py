@@ -14,7 +14,7 @@ import json.encoder
 import operator
 from collections.abc import Sequence
 
-from aoa.layout import ShardDesc
+from aoa.layout import ShardDesc, shards_nbytes
 from aoa.storage.formats import Destination, FileLayout, Format, OutputFile
 from aoa.storage.safetensors import file_layout
 from aoa.storage.safetensors_folder import (
@@ -42,29 +42,42 @@ class DcpSafetensorsDestination(Destination):
         """``rank-00000-of-00004.safetensors`` ... (ranks counted from 0); without ranks, one
         rank holds every shard."""
         groups = [range(len(shards))] if ranks is None else ranks
+        nbytes = shards_nbytes(shards)
         count = len(groups)
         return [OutputFile(f"rank-{rank:05d}-of-{count:05d}.safetensors", tuple(indices),
-                           sum(shards[i].nbytes for i in indices))
+                           sum(map(nbytes.__getitem__, indices)))
                 for rank, indices in enumerate(groups)]
 
     def layout(self, file: OutputFile) -> FileLayout:
         """The rank's shards under their keys, each one's global offset in the metadata."""
-        shards = [(index, self.shards[index]) for index in file.shards]
-        metadata = {SHARDING_KEY: sharding_info([shard for _, shard in shards]),
-                    **_DCP_VERSION}
-        return file_layout(shards, self.folder / file.filename, metadata)
+        shards = list(map(self.shards.__getitem__, file.shards))
+        keys = list(map(_KEY, shards))
+        key_texts = list(map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
+                             keys))
+        metadata = {SHARDING_KEY: sharding_info(shards, key_texts), **_DCP_VERSION}
+        # keys below DEL read the same ASCII-escaped or not: the header takes their texts
+        joined = "".join(keys)
+        same = joined.isascii() and "\x7f" not in joined
+        return file_layout(shards, file.shards, self.folder / file.filename, metadata,
+                           key_texts=key_texts if same else None)
 
 
-def sharding_info(shards: Sequence[ShardDesc]) -> str:
+def sharding_info(shards: Sequence[ShardDesc], key_texts: Sequence[str] | None = None) -> str:
     """``DCP_SHARDING_INFO`` of a file holding ``shards`` (each key once): the text
     ``json.dumps`` makes of ``{key: {"saved_offsets": global offset}}``, as DCP writes it,
-    put together column by column (a rank of 30k shards in milliseconds)."""
-    key_text = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
-    offsets = [shard.global_offset for shard in shards]
+    put together column by column (a rank of 30k shards in milliseconds). ``key_texts``:
+    each key as ``json.dumps`` writes it (ASCII-escaped), where the caller has them."""
+    if key_texts is None:
+        key_texts = list(map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
+                             map(_KEY, shards)))
+    offsets = list(map(_GLOBAL_OFFSET, shards))
     value = {offset: f': {{"{OFFSETS_KEY}": [{", ".join(map(str, offset))}]}}'
              for offset in set(offsets)}
-    return "{" + ", ".join(map(operator.add, map(key_text, [shard.key for shard in shards]),
-                               map(value.__getitem__, offsets))) + "}"
+    return "{" + ", ".join(map(operator.add, key_texts, map(value.__getitem__, offsets))) + "}"
+
+
+_KEY = operator.attrgetter("key")
+_GLOBAL_OFFSET = operator.attrgetter("global_offset")
 
 
 FORMAT = Format("dcp-safetensors", "safetensors files with PyTorch DCP's DCP_SHARDING_INFO, "

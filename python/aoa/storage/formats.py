@@ -70,7 +70,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Generic, NamedTuple, TypeVar
+from typing import ClassVar, Generic, NamedTuple, TypeVar, overload
 
 from aoa.collector import collector_paused
 from aoa.errors import StorageError, UsageError
@@ -198,6 +198,30 @@ class ShardSpan(NamedTuple):
     offset: int
     nbytes: int
     itemsize: int
+
+
+class ShardSpans(Sequence[ShardSpan]):
+    """Many `ShardSpan` held as four columns of equal length (shard indices, offsets, bytes,
+    item sizes): a format lays out a file of 100k shards without an object per shard, and
+    the writer takes the columns as they are. Read as a sequence, it makes each span."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, shards: Sequence[int], offsets: Sequence[int], nbytes: Sequence[int],
+                 itemsizes: Sequence[int]) -> None:
+        self.columns = (shards, offsets, nbytes, itemsizes)
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    @overload
+    def __getitem__(self, index: int) -> ShardSpan: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[ShardSpan]: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return ShardSpan(*(int(column[index]) for column in self.columns))
 
 
 @dataclass(frozen=True)

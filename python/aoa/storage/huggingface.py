@@ -62,7 +62,8 @@ class HuggingFaceDestination(Destination):
                 for number, (group, size) in enumerate(zip(groups, sizes), start=1)]
 
     def layout(self, file: OutputFile) -> FileLayout:
-        return file_layout([(i, self.shards[i]) for i in file.shards], self.folder / file.filename)
+        return file_layout(list(map(self.shards.__getitem__, file.shards)), file.shards,
+                           self.folder / file.filename)
 
     def index(self) -> dict[str, bytes]:
         """``model.safetensors.index.json``, naming the file of each key; none for a

@@ -35,7 +35,7 @@ import numpy as np
 
 from aoa.dtypes import ITEMSIZES, itemsize
 from aoa.errors import StorageError
-from aoa.layout import ShardDesc
+from aoa.layout import ShardDesc, shards_nbytes
 from aoa.storage import numpy_pickle, pickler, unpickler
 from aoa.storage.chunks import Chunk, key_shards
 from aoa.storage.formats import Destination, FileLayout, Format, OutputFile, ShardSpan, Source
@@ -395,8 +395,9 @@ class PaddleDestination(Destination):
                    *, max_file_bytes: int | None = None) -> list[OutputFile]:
         """``{rank}_0.distcp`` (ranks counted from 0); without ranks, rank 0 holds all."""
         groups = [range(len(shards))] if ranks is None else ranks
+        nbytes = shards_nbytes(shards)
         return [OutputFile(f"{rank}_0.distcp", tuple(indices),
-                           sum(shards[i].nbytes for i in indices))
+                           sum(map(nbytes.__getitem__, indices)))
                 for rank, indices in enumerate(groups)]
 
     def _owned(self) -> dict[str, list[int]]:

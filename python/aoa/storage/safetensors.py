@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from aoa.dtypes import ITEMSIZES, SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, numpy_dtype
 from aoa.errors import StorageError, quote
 from aoa.inputs import decode, load_json
-from aoa.layout import ShardDesc
+from aoa.layout import ShardDesc, shard_kinds
 from aoa.limits import MAX_DIMS, shape_problem
 from aoa.storage.folder import sync_folder
-from aoa.storage.formats import FileLayout, ShardSpan
+from aoa.storage.formats import FileLayout, ShardSpans
 from aoa.storage.pages import PageRelease
 
 if TYPE_CHECKING:  # reading headers and mapping files needs no numpy: imported when used
@@ -396,62 +396,80 @@ def _unmap(mapping: mmap.mmap) -> None:
 def header_bytes(tensors: Sequence[ShardDesc], metadata: dict[str, str] | None) -> bytes:
     """Length prefix and JSON header for ``tensors`` stored back to back in the given order,
     padded with spaces to a multiple of 8 bytes as the reference implementation does."""
-    return _header(tensors, _sizes(tensors)[0], metadata)
+    return _header(_columns(tensors, list(map(_KEY, tensors))), metadata)
 
 
-def _header(tensors: Sequence[ShardDesc], sizes: Sequence[int],
-            metadata: dict[str, str] | None) -> bytes:
-    """`header_bytes`, given each tensor's bytes. The text is what ``json.dumps`` makes of
-    the header object (compact separators, not ASCII-escaped), written entry by entry with
-    the part that depends only on dtype and shape made once for all entries that share
-    it: three times faster than building the object and dumping it."""
-    key_text = json.encoder.encode_basestring  # type: ignore[attr-defined]
-    parts = [f'"{_METADATA_KEY}":' + json.dumps(metadata, separators=(",", ":"),
-                                                  ensure_ascii=False)] if metadata else []
-    middles: dict[tuple[str | None, tuple[int, ...]], str] = {}
-    offset = 0
-    for spec, nbytes in zip(tensors, sizes):
-        middle = middles.get((spec.dtype, spec.local_shape))
-        if middle is None:
-            middle = middles[spec.dtype, spec.local_shape] = (
-                f'{{"dtype":"{SAFETENSORS_NAMES[spec.dtype]}",'  # type: ignore[index]
-                f'"shape":[{",".join(map(str, spec.local_shape))}],"data_offsets":[')
-        parts.append(f"{key_text(spec.key)}:{middle}{offset},{offset + nbytes}]}}")
-        offset += nbytes
-    text = ("{" + ",".join(parts) + "}").encode("utf-8")
+class _Columns(NamedTuple):
+    """Tensors as columns: each one's key, the key as JSON text, bytes, item size and the
+    header text between its key and its data offsets (``:{"dtype":...,"data_offsets":[``)."""
+
+    keys: list[str]
+    key_texts: Sequence[str]
+    sizes: list[int]
+    itemsizes: list[int]
+    middles: list[str]
+
+
+def _columns(tensors: Sequence[ShardDesc], keys: list[str],
+             key_texts: Sequence[str] | None = None) -> _Columns:
+    """`_Columns` of ``tensors`` (``keys``, and their JSON text where the caller has it),
+    all that depends only on dtype and shape worked out once per `shard_kinds` kind: a file
+    of 30k shards of a few dozen shapes in milliseconds."""
+    if key_texts is None:
+        key_texts = list(map(json.encoder.encode_basestring, keys))  # type: ignore[attr-defined]
+    numbers, kinds = shard_kinds(tensors)
+    sizes, itemsizes, middles = {}, {}, {}
+    for number, (dtype, shape) in kinds.items():
+        itemsizes[number] = ITEMSIZES[dtype]  # type: ignore[index]
+        sizes[number] = math.prod(shape) * itemsizes[number]
+        middles[number] = (f':{{"dtype":"{SAFETENSORS_NAMES[dtype]}",'  # type: ignore[index]
+                           f'"shape":[{",".join(map(str, shape))}],"data_offsets":[')
+    return _Columns(keys, key_texts, list(map(sizes.__getitem__, numbers)),
+                    list(map(itemsizes.__getitem__, numbers)),
+                    list(map(middles.__getitem__, numbers)))
+
+
+def _header(columns: _Columns, metadata: dict[str, str] | None) -> bytes:
+    """`header_bytes` of tensors given as columns. The text is what ``json.dumps`` makes of
+    the header object (compact separators, not ASCII-escaped), put together column by
+    column in one join: many times faster than building the object and dumping it."""
+    offsets = list(map(str, itertools.accumulate(columns.sizes, initial=0)))
+    entries = "".join(itertools.chain.from_iterable(zip(
+        columns.key_texts, columns.middles, offsets[:-1], itertools.repeat(","),
+        offsets[1:], itertools.repeat("]},"))))[:-1]
+    metadata_text = (f'"{_METADATA_KEY}":' + json.dumps(metadata, separators=(",", ":"),
+                                                      ensure_ascii=False)) if metadata else ""
+    text = ("{" + ",".join(part for part in (metadata_text, entries) if part) + "}"
+            ).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
-def file_layout(tensors: Sequence[tuple[int, ShardDesc]], path: Path,
-                metadata: dict[str, str] | None = None) -> FileLayout:
-    """A destination's safetensors file: the header, then each (shard index, shard) back to
-    back, in this order, under its key."""
-    specs = [spec for _, spec in tensors]
-    _check_specs(path, specs, metadata)
-    sizes, itemsizes = _sizes(specs)
-    header = _header(specs, sizes, metadata)
-    offsets = list(itertools.accumulate(sizes, initial=len(header)))
-    spans = list(map(ShardSpan, [index for index, _ in tensors], offsets, sizes, itemsizes))
-    return FileLayout(offsets[-1], [(0, header)], spans)
+def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path,
+                metadata: dict[str, str] | None = None, *,
+                key_texts: Sequence[str] | None = None) -> FileLayout:
+    """A destination's safetensors file: the header, then ``tensors`` (destination shards
+    ``indices``) back to back, in this order, each under its key; ``key_texts``: each key
+    as JSON text (``json.dumps`` of it, not ASCII-escaped), where the caller has them."""
+    keys = list(map(_KEY, tensors))
+    _check_specs(path, tensors, keys, metadata)
+    columns = _columns(tensors, keys, key_texts)
+    header = _header(columns, metadata)
+    offsets = list(itertools.accumulate(columns.sizes, initial=len(header)))
+    size = offsets.pop()
+    return FileLayout(size, [(0, header)],
+                      ShardSpans(indices, offsets, columns.sizes, columns.itemsizes))
 
 
-def _sizes(tensors: Sequence[ShardDesc]) -> tuple[list[int], list[int]]:
-    """Bytes and item size of each tensor."""
-    itemsizes = [ITEMSIZES[spec.dtype] for spec in tensors]  # type: ignore[index]
-    return list(map(operator.mul, map(math.prod, map(_LOCAL_SHAPE, tensors)), itemsizes)), \
-        itemsizes
+_KEY = operator.attrgetter("key")
+_DTYPE = operator.attrgetter("dtype")
 
 
-_LOCAL_SHAPE = operator.attrgetter("local_shape")
-
-
-def _check_specs(
-    path: Path, tensors: Sequence[ShardDesc], metadata: dict[str, str] | None
-) -> None:
-    keys = [spec.key for spec in tensors]
-    if (len(set(keys)) < len(keys) or _METADATA_KEY in keys
-            or not SAFETENSORS_NAMES.keys() >= {spec.dtype for spec in tensors}):
+def _check_specs(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
+                 metadata: dict[str, str] | None) -> None:
+    unique = set(keys)
+    if (len(unique) < len(keys) or _METADATA_KEY in unique
+            or not SAFETENSORS_NAMES.keys() >= set(map(_DTYPE, tensors))):
         _check_each_spec(path, tensors)
     if metadata is not None and not all(
         isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
@@ -488,13 +506,14 @@ class SafetensorsWriter:
     ) -> None:
         self.path = Path(path)
         self.partial = partial_path(self.path)
-        _check_specs(self.path, tensors, metadata)
-        sizes = _sizes(tensors)[0]
-        header = _header(tensors, sizes, metadata)
+        keys = list(map(_KEY, tensors))
+        _check_specs(self.path, tensors, keys, metadata)
+        columns = _columns(tensors, keys)
+        header = _header(columns, metadata)
         self._ranges: dict[str, tuple[int, int]] = {}
         offset = len(header)
-        for spec, nbytes in zip(tensors, sizes):
-            self._ranges[spec.key] = (offset, offset + nbytes)
+        for key, nbytes in zip(columns.keys, columns.sizes):
+            self._ranges[key] = (offset, offset + nbytes)
             offset += nbytes
         self._committed = False
         self._views: list[memoryview] = []

@@ -36,7 +36,7 @@ from typing import NamedTuple, overload
 import numpy as np
 
 from aoa.errors import StorageError
-from aoa.storage.formats import FileLayout, Fill, Piece
+from aoa.storage.formats import FileLayout, Fill, Piece, ShardSpans
 
 #: Offsets, lengths and buffer addresses of direct writes are multiples of this.
 ALIGNMENT = 4096
@@ -129,8 +129,11 @@ def _items(path: Path, layout: FileLayout) -> tuple[list[tuple[int, bytes]], _Sp
     """Fixed bytes and shards in file order, checked to lie apart inside the file."""
     fixed = sorted(((offset, data) for offset, data in layout.fixed if data),
                    key=lambda item: item[0])
-    table = np.fromiter(itertools.chain.from_iterable(layout.shards), np.int64,
-                        count=4 * len(layout.shards)).reshape(-1, 4)
+    if isinstance(layout.shards, ShardSpans):
+        table = np.array(layout.shards.columns, np.int64).reshape(4, -1).T
+    else:
+        table = np.fromiter(itertools.chain.from_iterable(layout.shards), np.int64,
+                            count=4 * len(layout.shards)).reshape(-1, 4)
     table = table[table[:, 2] > 0]
     table = table[np.argsort(table[:, 1], kind="stable")]
     spans = _Spans(*(np.ascontiguousarray(column) for column in table.T))
