@@ -15,7 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aoa.storage import chunks as chunks_module
-from aoa.storage.chunks import Chunk, key_shards, shards_by_key
+from aoa.storage.chunks import (
+    Chunk,
+    ChunkColumns,
+    as_stored,
+    key_shards,
+    shards_by_key,
+    stored_shards,
+)
 
 
 def outcome(read):
@@ -94,6 +101,23 @@ def test_fuzz_chunks_make_the_same_shards_both_ways(case):
         for key, chunks in found.items():
             assert key_shards(key, chunks, None if shapes is None else shapes[key]) == \
                 result[key]
+
+
+@fuzz_settings
+@given(case=chunk_sets(), data=st.data())
+def test_fuzz_chunks_as_columns_make_the_same_shards(case, data):
+    """Chunks given as columns, the keys' rows interleaved in any order, make what
+    `shards_by_key` makes of each key's chunks in the order found (with the same locations),
+    or raise the same error, both ways."""
+    found, _ = case
+    rows = data.draw(st.permutations([(key, *chunk) for key, chunks in found.items()
+                                      for chunk in chunks]))
+    grouped: dict = {}
+    for key, *chunk in rows:
+        grouped.setdefault(key, []).append(Chunk(*chunk))
+    columns = ChunkColumns(*map(list, zip(*rows)))
+    assert both_ways(lambda: stored_shards(columns)) == \
+        both_ways(lambda: as_stored(shards_by_key(grouped)))
 
 
 def test_chunks_cut_along_one_axis_take_the_fast_path():

@@ -10,21 +10,28 @@ concerns each chunk alone (types, ranks, dtypes, key names) over all chunks at o
 key by key a short test that the chunks are the whole tensor or pieces of it cut along one
 axis, edge to edge, as nearly every checkpoint stores them. Any key that fails it gets the
 full checks, which name what is wrong.
+
+A format that finds its chunks as columns (`ChunkColumns`: a safetensors folder's headers)
+has them checked and turned into shards with no Python call per chunk (`stored_shards`):
+keys are grouped and the test is made once per way of storing a key, then every shard is
+made column by column.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from aoa.dtypes import ITEMSIZES, itemsize
 from aoa.errors import StorageError, quote
 from aoa.inputs import is_text
 from aoa.layout import ShardDesc, distinct_boxes, tiling_fault
 from aoa.limits import shape_problem
+from aoa.storage.formats import StoredShards
 
 
 class Chunk(NamedTuple):
@@ -44,7 +51,7 @@ def shards_by_key(found: Mapping[str, Sequence[Chunk]],
     """`key_shards` of every key of ``found`` (in its order: the first key at fault raises),
     checked in bulk. ``global_shapes``: each key's, as the format records it; None: where
     its furthest chunk ends."""
-    typed = _well_typed(found)
+    typed = _well_typed_chunks(found)
     cuts: dict[object, tuple[list[int], tuple[int, ...]] | None] = {}
     result = {}
     for key, chunks in found.items():
@@ -64,6 +71,136 @@ def shards_by_key(found: Mapping[str, Sequence[Chunk]],
         result[key] = [(_unchecked(key, chunk.local_shape, shape, chunk.global_offset, dtype),
                         chunk.location) for chunk in map(chunks.__getitem__, positions)]
     return result
+
+
+class ChunkColumns(NamedTuple):
+    """Stored chunks as columns of equal length, in the order a format finds them (a key's
+    chunks need not be next to each other): each one's key, box, dtype, file and location."""
+
+    keys: Sequence[str]
+    local_shapes: Sequence[tuple[int, ...]]
+    global_offsets: Sequence[tuple[int, ...]]
+    dtypes: Sequence[str]
+    files: Sequence[Path]
+    locations: Sequence[object]
+
+
+def stored_shards(columns: ChunkColumns) -> StoredShards:
+    """`shards_by_key` of chunks given as columns, global shapes where the furthest chunk
+    ends: keys in the order first found, each key's chunks in the order found. Keys stored
+    alike (the same boxes and dtypes, in the same order) are tested once, every shard of the
+    keys that pass is made column by column; the others get the full checks in turn."""
+    columns, names, starts, ends = _grouped(columns)
+    _, shapes, offsets, dtypes = columns[:4]
+    if not _well_typed(names, shapes, offsets, dtypes):
+        return as_stored(shards_by_key(_chunks_by_key(columns)))
+    found_cuts = _cuts(shapes, offsets, dtypes, starts, ends)
+    closely = {position: _checked_closely(names[position], _chunks_of(columns, starts[position],
+                                                                   ends[position]), None)
+               for position, cut in enumerate(found_cuts) if cut is None}  # first fault raises
+    cuts = [cut or _NOTHING_CUT for cut in found_cuts]  # the keys checked closely: made below
+    positions = list(map(_POSITIONS, cuts))
+    made = list(map(len, positions))
+    chosen = list(itertools.chain.from_iterable(map(
+        map, itertools.repeat(operator.add), positions, map(itertools.repeat, starts))))
+    shard_keys = list(itertools.chain.from_iterable(map(itertools.repeat, names, made)))
+    shard_offsets = list(map(offsets.__getitem__, chosen))
+    shards = unchecked_shards(
+        shard_keys, list(map(shapes.__getitem__, chosen)),
+        itertools.chain.from_iterable(map(itertools.repeat, map(_SHAPE, cuts), made)),
+        shard_offsets, map(dtypes.__getitem__, chosen))
+    made_ends = list(itertools.accumulate(made))
+    by_key = list(map(shards.__getitem__, map(slice, [0, *made_ends[:-1]], made_ends)))
+    locations = dict(zip(zip(shard_keys, shard_offsets),
+                         map(columns.locations.__getitem__, chosen)))
+    for position, found in closely.items():
+        by_key[position] = [shard for shard, _ in found]
+        locations.update(((shard.key, shard.global_offset), location)
+                         for shard, location in found)
+    return StoredShards(dict(zip(names, by_key)), locations)
+
+
+def _grouped(columns: ChunkColumns) -> tuple[ChunkColumns, list[str], list[int], list[int]]:
+    """``columns`` with each key's chunks together (keys in the order first found, a key's
+    chunks in the order found), the keys in that order, and where each key's rows start and
+    end."""
+    first: dict[str, int] = {}  # key -> the row where it is first found
+    firsts = list(map(first.setdefault, columns.keys, itertools.count()))
+    if firsts != sorted(firsts):
+        order = sorted(range(len(firsts)), key=firsts.__getitem__)
+        columns = ChunkColumns._make(list(map(column.__getitem__, order)) for column in columns)
+    ends = list(itertools.accumulate(collections.Counter(firsts).values()))
+    return columns, list(first), [0, *ends[:-1]], ends
+
+
+def _cuts(shapes: Sequence[tuple[int, ...]], offsets: Sequence[tuple[int, ...]],
+          dtypes: Sequence[str], starts: Sequence[int], ends: Sequence[int]
+          ) -> list[tuple[list[int], tuple[int, ...]] | None]:
+    """`_cut_along_one_axis` of the rows [start, end) of each key (well typed), worked out
+    once for the keys stored alike."""
+    numbers: dict[tuple, int] = {}  # a number per distinct box: the first row holding it
+    boxes = list(map(numbers.setdefault, zip(offsets, shapes, dtypes), itertools.count()))
+    ways = list(map(tuple, map(boxes.__getitem__, map(slice, starts, ends))))
+    box_of = {number: _BoxChunk(*box) for box, number in numbers.items()}
+    answers = {way: _cut_along_one_axis(list(map(box_of.__getitem__, way)), None)
+               for way in dict.fromkeys(ways)}
+    return list(map(answers.__getitem__, ways))
+
+
+class _BoxChunk(NamedTuple):
+    """A chunk's box and dtype: what `_cut_along_one_axis` looks at."""
+
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+
+
+_NOTHING_CUT: tuple[list[int], tuple[int, ...]] = ([], ())
+_POSITIONS = operator.itemgetter(0)
+_SHAPE = operator.itemgetter(1)
+
+
+def _chunks_of(columns: ChunkColumns, start: int, end: int) -> list[Chunk]:
+    """The rows [start, end) of ``columns`` as chunks."""
+    return [Chunk(*row) for row in zip(*(column[start:end] for column in (
+        columns.local_shapes, columns.global_offsets, columns.dtypes, columns.files,
+        columns.locations)))]
+
+
+def _chunks_by_key(columns: ChunkColumns) -> dict[str, list[Chunk]]:
+    """Chunks given as columns (each key's together) as each key's list of chunks."""
+    found: dict[str, list[Chunk]] = {}
+    for key, *row in zip(columns.keys, columns.local_shapes, columns.global_offsets,
+                         columns.dtypes, columns.files, columns.locations):
+        found.setdefault(key, []).append(Chunk(*row))
+    return found
+
+
+def as_stored(found: Mapping[str, Sequence[tuple[ShardDesc, object]]]) -> StoredShards:
+    """Each key's (shard, location) pairs as `StoredShards`."""
+    return StoredShards({key: [shard for shard, _ in pairs] for key, pairs in found.items()},
+                        {(shard.key, shard.global_offset): location
+                         for pairs in found.values() for shard, location in pairs})
+
+
+def unchecked_shards(keys: Sequence[str], local_shapes: Sequence[tuple[int, ...]],
+                     global_shapes: Iterable[tuple[int, ...]],
+                     global_offsets: Sequence[tuple[int, ...]],
+                     dtypes: Iterable[str | None]) -> list[ShardDesc]:
+    """`ShardDesc.unchecked` of each row of these columns, made field by field over all rows:
+    no Python call per shard."""
+    shards = list(map(_new_object, itertools.repeat(ShardDesc, len(keys))))
+    for setter, column in zip(_SETTERS, (keys, local_shapes, global_shapes, global_offsets,
+                                         dtypes)):
+        collections.deque(map(setter, shards, column), maxlen=0)
+    return shards
+
+
+_new_object = object.__new__
+# the slots' own setters, as `ShardDesc.unchecked` uses them (a frozen dataclass refuses
+# setattr)
+_SETTERS = tuple(getattr(ShardDesc, name).__set__ for name in (
+    "key", "local_shape", "global_shape", "global_offset", "dtype"))
 
 
 def key_shards(key: str, chunks: Sequence[Chunk],
@@ -110,14 +247,18 @@ def _checked_closely(key: str, chunks: Sequence[Chunk], global_shape: tuple[int,
             for c in distinct]
 
 
-def _well_typed(found: Mapping[str, Sequence[Chunk]]) -> bool:
+def _well_typed_chunks(found: Mapping[str, Sequence[Chunk]]) -> bool:
+    """`_well_typed` of each key's chunks."""
+    chunks = list(itertools.chain.from_iterable(found.values()))
+    return _well_typed(found, list(map(_LOCAL_SHAPE, chunks)), list(map(_GLOBAL_OFFSET, chunks)),
+                       list(map(_DTYPE, chunks)))
+
+
+def _well_typed(keys: Iterable[Any], sizes: Sequence[Any], offsets: Sequence[Any],
+                dtypes: Sequence[Any]) -> bool:
     """Whether each key is text and each chunk's boxes are tuples of ints of one rank, its
     dtype a known name: what `ShardDesc` checks of each shard, over all chunks at once."""
-    keys = list(found)
-    chunks = list(itertools.chain.from_iterable(found.values()))
-    dtypes = list(map(_DTYPE, chunks))
-    offsets = list(map(_GLOBAL_OFFSET, chunks))
-    sizes = list(map(_LOCAL_SHAPE, chunks))
+    keys = list(keys)
     return (_STR_ONLY.issuperset(map(type, keys))
             and (all(map(str.isascii, keys)) or all(map(is_text, keys)))
             and _STR_ONLY.issuperset(map(type, dtypes)) and ITEMSIZES.keys() >= set(dtypes)
@@ -128,7 +269,8 @@ def _well_typed(found: Mapping[str, Sequence[Chunk]]) -> bool:
             and _INT_ONLY.issuperset(map(type, itertools.chain.from_iterable(sizes))))
 
 
-def _cut_along_one_axis(chunks: Sequence[Chunk], global_shape: tuple[int, ...] | None
+def _cut_along_one_axis(chunks: Sequence[Chunk] | Sequence[_BoxChunk],
+                        global_shape: tuple[int, ...] | None
                         ) -> tuple[list[int], tuple[int, ...]] | None:
     """Where ``chunks`` (well typed: `_well_typed`) are the whole tensor, or pieces of it
     cut along one axis, edge to edge, all of one dtype: the positions of the distinct ones

@@ -70,7 +70,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Generic, NamedTuple, TypeVar, overload
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, overload
 
 from aoa.collector import collector_paused
 from aoa.errors import StorageError, UsageError
@@ -96,22 +96,34 @@ DEFAULT_MAX_FILE_BYTES = 5 * 10**9
 Location = TypeVar("Location")
 
 
+class StoredShards(NamedTuple):
+    """A source's shards as a format made them in bulk: each key's distinct shards, sorted
+    by global offset, and the location of each by (key, global offset)."""
+
+    shards: dict[str, list[ShardDesc]]
+    locations: dict[tuple[str, tuple[int, ...]], Any]
+
+
 class Source(ABC, Generic[Location]):
     """An open source checkpoint: its shards by key, and read-only buffers over their bytes.
 
     A format subclasses it with its own ``Location`` (where a shard's bytes are) and passes
-    every shard with its location to ``__init__``."""
+    every shard with its location to ``__init__``: each key's (shard, location) pairs, or
+    both as they are kept (`StoredShards`)."""
 
     def __init__(self, path: Path, format: str,
-                 stored: Mapping[str, Sequence[tuple[ShardDesc, Location]]]) -> None:
+                 stored: Mapping[str, Sequence[tuple[ShardDesc, Location]]] | StoredShards
+                 ) -> None:
         self.path = path
         self.format = format
-        #: each key's distinct shards, sorted by global offset
-        self.shards: dict[str, list[ShardDesc]] = {
-            key: [shard for shard, _ in found] for key, found in stored.items()}
-        self._locations: dict[tuple[str, tuple[int, ...]], Location] = {
-            (shard.key, shard.global_offset): location
-            for found in stored.values() for shard, location in found}
+        if isinstance(stored, StoredShards):
+            #: each key's distinct shards, sorted by global offset
+            self.shards: dict[str, list[ShardDesc]] = stored.shards
+            self._locations: dict[tuple[str, tuple[int, ...]], Location] = stored.locations
+            return
+        self.shards = {key: [shard for shard, _ in found] for key, found in stored.items()}
+        self._locations = {(shard.key, shard.global_offset): location
+                           for found in stored.values() for shard, location in found}
 
     def location(self, shard: ShardDesc) -> Location:
         """Where the stored shard of ``shard``'s key at its global offset is."""

@@ -29,8 +29,9 @@ from typing import NamedTuple
 from aoa.errors import StorageError, quote
 from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc
-from aoa.storage.chunks import Chunk, shards_by_key
-from aoa.storage.formats import Source
+from aoa.limits import MAX_DIMS
+from aoa.storage.chunks import Chunk, ChunkColumns, as_stored, shards_by_key, stored_shards
+from aoa.storage.formats import Source, StoredShards
 from aoa.storage.safetensors import SafetensorsFile, TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -246,11 +247,51 @@ def _check_index(
                 raise StorageError(f"{file.path}: tensor '{key}' is not in the index {index}")
 
 
-def _shards(files: dict[Path, SafetensorsFile]) -> dict[str, list[tuple[ShardDesc, _Stored]]]:
+def _shards(files: dict[Path, SafetensorsFile]) -> StoredShards:
     """Every stored chunk, grouped by key, with global shapes and the checks between chunks."""
+    listed = [(file, _sharding_info(file)) for file in files.values()]
+    return _shards_in_bulk(listed) or _shards_key_by_key(listed)
+
+
+def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]]
+                    ) -> StoredShards | None:
+    """`_shards`, every file's chunks as columns (`stored_shards`); None where a key lies in
+    several files and some file has no offset for one of its tensors (then the chunks are
+    read key by key, which names such a key)."""
+    keys = list(itertools.chain.from_iterable(file.tensors for file, _ in listed))
+    infos = list(itertools.chain.from_iterable(file.tensors.values() for file, _ in listed))
+    shapes = list(map(_SHAPE, infos))
+    zeros = list(map(_ZEROS.__getitem__, map(len, shapes)))  # any rank: headers hold <= 64
+    partial = False
+    offsets: list[tuple[int, ...]] = []
+    done = 0
+    for file, found in listed:
+        count = len(file.tensors)
+        partial = partial or len(found) < count
+        offsets += (map(found.get, file.tensors, zeros[done:done + count]) if found else
+                    zeros[done:done + count])
+        done += count
+    if partial and len(set(keys)) < len(keys):
+        return None
+    owners = list(itertools.chain.from_iterable(
+        itertools.repeat(file, len(file.tensors)) for file, _ in listed))
+    return stored_shards(ChunkColumns(
+        keys, shapes, offsets, list(map(_DTYPE, infos)), list(map(_PATH, owners)),
+        list(map(_new_tuple, itertools.repeat(_Stored), zip(owners, keys, infos)))))
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_PATH = operator.attrgetter("path")
+_ZEROS = tuple((0,) * rank for rank in range(MAX_DIMS + 1))
+_new_tuple = tuple.__new__  # a named tuple made from a row with no Python call
+
+
+def _shards_key_by_key(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]]
+                       ) -> StoredShards:
+    """`_shards`, the chunks gathered key by key."""
     found: dict[str, list[tuple[SafetensorsFile, tuple[int, ...] | None, TensorInfo]]] = {}
-    for file in files.values():
-        offsets = _sharding_info(file)
+    for file, offsets in listed:
         for key, info in file.tensors.items():
             found.setdefault(key, []).append((file, offsets.get(key), info))
     chunks: dict[str, list[Chunk]] = {}
@@ -264,7 +305,7 @@ def _shards(files: dict[Path, SafetensorsFile]) -> dict[str, list[tuple[ShardDes
         chunks[key] = [Chunk(info.shape, offset or (0,) * len(info.shape), info.dtype,
                              file.path, _Stored(file, key, info))
                        for file, offset, info in stored]
-    return shards_by_key(chunks)  # type: ignore[return-value]
+    return as_stored(shards_by_key(chunks))
 
 
 def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
