@@ -85,66 +85,77 @@ class ChunkColumns(NamedTuple):
     locations: Sequence[object]
 
 
-def stored_shards(columns: ChunkColumns) -> StoredShards:
+def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards:
     """`shards_by_key` of chunks given as columns, global shapes where the furthest chunk
     ends: keys in the order first found, each key's chunks in the order found. Keys stored
     alike (the same boxes and dtypes, in the same order) are tested once, every shard of the
-    keys that pass is made column by column; the others get the full checks in turn."""
-    columns, names, starts, ends = _grouped(columns)
-    _, shapes, offsets, dtypes = columns[:4]
-    if not _well_typed(names, shapes, offsets, dtypes):
+    keys that pass is made column by column; the others get the full checks in turn.
+
+    ``typed``: the format has checked what `_well_typed` checks (a safetensors header's
+    reader has), so it is not checked again."""
+    keys, shapes, offsets, dtypes, _, locations = columns
+    first: dict[str, int] = {}  # key -> the row where it is first found
+    firsts = list(map(first.setdefault, keys, itertools.count()))
+    names = list(first)
+    if not (typed or _well_typed(names, shapes, offsets, dtypes)):
         return as_stored(shards_by_key(_chunks_by_key(columns)))
-    found_cuts = _cuts(shapes, offsets, dtypes, starts, ends)
-    closely = {position: _checked_closely(names[position], _chunks_of(columns, starts[position],
-                                                                   ends[position]), None)
-               for position, cut in enumerate(found_cuts) if cut is None}  # first fault raises
-    cuts = [cut or _NOTHING_CUT for cut in found_cuts]  # the keys checked closely: made below
-    positions = list(map(_POSITIONS, cuts))
-    made = list(map(len, positions))
-    chosen = list(itertools.chain.from_iterable(map(
-        map, itertools.repeat(operator.add), positions, map(itertools.repeat, starts))))
-    shard_keys = list(itertools.chain.from_iterable(map(itertools.repeat, names, made)))
+    # each key's rows together, keys in the order first found: rows[start:end] are a key's
+    rows: Sequence[int] = (range(len(keys)) if firsts == sorted(firsts) else
+                           sorted(range(len(keys)), key=firsts.__getitem__))
+    counts = list(collections.Counter(firsts).values())
+    ends = list(itertools.accumulate(counts))
+    starts = [0, *ends[:-1]]
+    ways, cuts = _ways_and_cuts(shapes, offsets, dtypes, rows, counts, starts, ends)
+    closely = {}  # the keys the test doubts, checked in full (in order: the first at fault raises)
+    if None in cuts.values():
+        closely = {position: _checked_closely(names[position], _chunks_of(
+            columns, rows[starts[position]:ends[position]]), None)
+            for position, way in enumerate(ways) if cuts[way] is None}
+    made_of = {way: len(cut[0]) if cut else 0 for way, cut in cuts.items()}
+    made = list(map(made_of.__getitem__, ways))
+    chosen = list(map(rows.__getitem__, map(  # the row of each shard
+        operator.add,
+        itertools.chain.from_iterable(map({way: cut[0] if cut else () for way, cut in
+                                           cuts.items()}.__getitem__, ways)),
+        itertools.chain.from_iterable(map(itertools.repeat, starts, made)))))
+    shard_keys = list(map(keys.__getitem__, chosen))
     shard_offsets = list(map(offsets.__getitem__, chosen))
+    shape_of = {way: cut[1] if cut else () for way, cut in cuts.items()}
     shards = unchecked_shards(
-        shard_keys, list(map(shapes.__getitem__, chosen)),
-        itertools.chain.from_iterable(map(itertools.repeat, map(_SHAPE, cuts), made)),
+        shard_keys, map(shapes.__getitem__, chosen),
+        itertools.chain.from_iterable(map(itertools.repeat, map(shape_of.__getitem__, ways),
+                                          made)),
         shard_offsets, map(dtypes.__getitem__, chosen))
     made_ends = list(itertools.accumulate(made))
     by_key = list(map(shards.__getitem__, map(slice, [0, *made_ends[:-1]], made_ends)))
-    locations = dict(zip(zip(shard_keys, shard_offsets),
-                         map(columns.locations.__getitem__, chosen)))
+    located = dict(zip(zip(shard_keys, shard_offsets), map(locations.__getitem__, chosen)))
     for position, found in closely.items():
         by_key[position] = [shard for shard, _ in found]
-        locations.update(((shard.key, shard.global_offset), location)
-                         for shard, location in found)
-    return StoredShards(dict(zip(names, by_key)), locations)
+        located.update(((shard.key, shard.global_offset), location)
+                       for shard, location in found)
+    return StoredShards(dict(zip(names, by_key)), located)
 
 
-def _grouped(columns: ChunkColumns) -> tuple[ChunkColumns, list[str], list[int], list[int]]:
-    """``columns`` with each key's chunks together (keys in the order first found, a key's
-    chunks in the order found), the keys in that order, and where each key's rows start and
-    end."""
-    first: dict[str, int] = {}  # key -> the row where it is first found
-    firsts = list(map(first.setdefault, columns.keys, itertools.count()))
-    if firsts != sorted(firsts):
-        order = sorted(range(len(firsts)), key=firsts.__getitem__)
-        columns = ChunkColumns._make(list(map(column.__getitem__, order)) for column in columns)
-    ends = list(itertools.accumulate(collections.Counter(firsts).values()))
-    return columns, list(first), [0, *ends[:-1]], ends
-
-
-def _cuts(shapes: Sequence[tuple[int, ...]], offsets: Sequence[tuple[int, ...]],
-          dtypes: Sequence[str], starts: Sequence[int], ends: Sequence[int]
-          ) -> list[tuple[list[int], tuple[int, ...]] | None]:
-    """`_cut_along_one_axis` of the rows [start, end) of each key (well typed), worked out
-    once for the keys stored alike."""
-    numbers: dict[tuple, int] = {}  # a number per distinct box: the first row holding it
+def _ways_and_cuts(shapes: Sequence[tuple[int, ...]], offsets: Sequence[tuple[int, ...]],
+                   dtypes: Sequence[str], rows: Sequence[int], counts: list[int],
+                   starts: list[int], ends: list[int]
+                   ) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], _Cut | None]]:
+    """How each key is stored (its way: a number per box and dtype of its rows, in order;
+    keys stored alike have the same way), and `_cut_along_one_axis` of each way."""
+    numbers: dict[tuple, int] = {}  # box and dtype -> the first row holding them
     boxes = list(map(numbers.setdefault, zip(offsets, shapes, dtypes), itertools.count()))
-    ways = list(map(tuple, map(boxes.__getitem__, map(slice, starts, ends))))
+    if not isinstance(rows, range):
+        boxes = list(map(boxes.__getitem__, rows))
+    if len(set(counts)) == 1:  # as many rows each (one per file): a column per file
+        ways = list(zip(*(boxes[n::counts[0]] for n in range(counts[0]))))
+    else:
+        ways = list(map(tuple, map(boxes.__getitem__, map(slice, starts, ends))))
     box_of = {number: _BoxChunk(*box) for box, number in numbers.items()}
-    answers = {way: _cut_along_one_axis(list(map(box_of.__getitem__, way)), None)
-               for way in dict.fromkeys(ways)}
-    return list(map(answers.__getitem__, ways))
+    return ways, {way: _cut_along_one_axis(list(map(box_of.__getitem__, way)), None)
+                  for way in dict.fromkeys(ways)}
+
+
+_Cut = tuple[list[int], tuple[int, ...]]
 
 
 class _BoxChunk(NamedTuple):
@@ -155,16 +166,10 @@ class _BoxChunk(NamedTuple):
     dtype: str
 
 
-_NOTHING_CUT: tuple[list[int], tuple[int, ...]] = ([], ())
-_POSITIONS = operator.itemgetter(0)
-_SHAPE = operator.itemgetter(1)
-
-
-def _chunks_of(columns: ChunkColumns, start: int, end: int) -> list[Chunk]:
-    """The rows [start, end) of ``columns`` as chunks."""
-    return [Chunk(*row) for row in zip(*(column[start:end] for column in (
-        columns.local_shapes, columns.global_offsets, columns.dtypes, columns.files,
-        columns.locations)))]
+def _chunks_of(columns: ChunkColumns, rows: Sequence[int]) -> list[Chunk]:
+    """The ``rows`` of ``columns`` as chunks."""
+    return [Chunk(columns.local_shapes[row], columns.global_offsets[row], columns.dtypes[row],
+                  columns.files[row], columns.locations[row]) for row in rows]
 
 
 def _chunks_by_key(columns: ChunkColumns) -> dict[str, list[Chunk]]:
@@ -183,7 +188,7 @@ def as_stored(found: Mapping[str, Sequence[tuple[ShardDesc, object]]]) -> Stored
                          for pairs in found.values() for shard, location in pairs})
 
 
-def unchecked_shards(keys: Sequence[str], local_shapes: Sequence[tuple[int, ...]],
+def unchecked_shards(keys: Sequence[str], local_shapes: Iterable[tuple[int, ...]],
                      global_shapes: Iterable[tuple[int, ...]],
                      global_offsets: Sequence[tuple[int, ...]],
                      dtypes: Iterable[str | None]) -> list[ShardDesc]:

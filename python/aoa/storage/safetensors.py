@@ -112,11 +112,17 @@ class SafetensorsFile:
 
     def buffers(self, names: list[str]) -> list[memoryview]:
         """`buffer` of each name, sliced from one view of the mapping."""
-        infos = self._infos(names)
+        return self.views(self._infos(names))
+
+    def views(self, infos: Sequence[TensorInfo]) -> list[memoryview]:
+        """The bytes of each of these tensors of this file (as `tensors` lists them), sliced
+        from one view of the mapping."""
         if self._mapping is None:
-            raise StorageError(f"{self.path}: closed; cannot read tensor '{names[0]}'")
+            raise StorageError(f"{self.path}: closed; cannot read tensor '{infos[0].name}'")
         whole = memoryview(self._mapping)
-        return [whole[info.offset : info.offset + info.nbytes] for info in infos]
+        offsets = list(map(_OFFSET, infos))
+        return list(map(whole.__getitem__, map(slice, offsets, map(
+            operator.add, offsets, map(_NBYTES, infos)))))
 
     def array(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a read-only numpy view (bf16 and fp8 through ml_dtypes)."""
@@ -157,6 +163,10 @@ class SafetensorsFile:
             return self.tensors[name]
         except KeyError:
             raise StorageError(f"{self.path}: no tensor '{name}'") from None
+
+
+_OFFSET = operator.attrgetter("offset")
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _parse(path: Path, data: mmap.mmap) -> tuple[dict[str, str], dict[str, TensorInfo]]:

@@ -24,7 +24,6 @@ import operator
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 from aoa.errors import StorageError, quote
 from aoa.inputs import load_json, read_text
@@ -40,48 +39,53 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 OFFSETS_KEY = "saved_offsets"
 
 
-class _Stored(NamedTuple):
-    """Where a shard's bytes are: the open file, the tensor's name in it, and its bytes
-    there (``info``, so that dropping them after each read needs no look-up by name)."""
+class SafetensorsSource(Source[int]):
+    """The open files of a safetensors checkpoint; buffers are views of their mappings.
 
-    file: SafetensorsFile
-    name: str
-    info: TensorInfo
-
-
-class SafetensorsSource(Source[_Stored]):
-    """The open files of a safetensors checkpoint; buffers are views of their mappings."""
+    A shard's location is its row: where its tensor comes among every file's tensors, file
+    after file (the files in order, each file's tensors in its order)."""
 
     def __init__(self, path: Path, files: dict[Path, SafetensorsFile]) -> None:
         sharded = any(SHARDING_KEY in file.metadata for file in files.values())
-        super().__init__(path, "dcp-safetensors" if sharded else "safetensors", _shards(files))
         self._files = files
+        #: each row's file and tensor
+        self._owners: list[SafetensorsFile] = list(itertools.chain.from_iterable(
+            itertools.repeat(file, len(file.tensors)) for file in files.values()))
+        self._infos: list[TensorInfo] = list(itertools.chain.from_iterable(
+            file.tensors.values() for file in files.values()))
+        super().__init__(path, "dcp-safetensors" if sharded else "safetensors",
+                         _shards(files, self._infos))
 
     def buffer(self, shard: ShardDesc) -> memoryview:
-        stored = self.location(shard)
-        return stored.file.buffer(stored.name)
+        row = self.location(shard)
+        return self._owners[row].buffer(self._infos[row].name)
 
     def buffers(self, shards: Sequence[ShardDesc]) -> list[memoryview]:
-        located = self.locations(shards)
-        views: list[memoryview] = [memoryview(b"")] * len(located)
-        for file, positions in _by_file(located):
-            found = file.buffers([located[position].name for position in positions])
+        rows = self.locations(shards)
+        groups = self._by_file(rows)
+        if len(groups) == 1:  # all in one file
+            return groups[0][0].views(list(map(self._infos.__getitem__, rows)))
+        views: list[memoryview] = [memoryview(b"")] * len(rows)
+        for file, positions in groups:
+            found = file.views(list(map(self._infos.__getitem__,
+                                        map(rows.__getitem__, positions))))
             for position, view in zip(positions, found):
                 views[position] = view
         return views
 
     def release(self, shard: ShardDesc) -> None:
-        stored = self.location(shard)
-        stored.file.pages.release(stored.info.offset, stored.info.nbytes)
+        row = self.location(shard)
+        info = self._infos[row]
+        self._owners[row].pages.release(info.offset, info.nbytes)
 
     def release_many(self, shards: Sequence[ShardDesc]) -> None:
-        located = self.locations(shards)
-        for file, positions in _by_file(located):
-            file.pages.release_many([(located[position].info.offset,
-                                      located[position].info.nbytes) for position in positions])
+        rows = self.locations(shards)
+        for file, positions in self._by_file(rows):
+            infos = list(map(self._infos.__getitem__, map(rows.__getitem__, positions)))
+            file.pages.release_many(list(zip(map(_OFFSET, infos), map(_NBYTES, infos))))
 
     def file_of(self, shard: ShardDesc) -> Path:
-        return self.location(shard).file.path
+        return self._owners[self.location(shard)].path
 
     def files(self) -> list[Path]:
         return sorted(self._files)
@@ -90,17 +94,19 @@ class SafetensorsSource(Source[_Stored]):
         for file in self._files.values():
             file.close()
 
+    def _by_file(self, rows: list[int]) -> list[tuple[SafetensorsFile, Sequence[int]]]:
+        """Rows grouped by file: each file, and the positions in ``rows`` of its rows."""
+        owners = list(map(self._owners.__getitem__, rows))
+        if len(dict.fromkeys(owners)) <= 1:
+            return [(owners[0], range(len(rows)))] if rows else []
+        numbers = list(map(id, owners))
+        ordered = sorted(range(len(rows)), key=numbers.__getitem__)
+        groups = [list(group) for _, group in itertools.groupby(ordered, numbers.__getitem__)]
+        return [(owners[group[0]], group) for group in groups]
 
-def _by_file(located: list[_Stored]) -> list[tuple[SafetensorsFile, list[int]]]:
-    """Stored shards grouped by file: each file, and the positions in ``located`` of its
-    shards."""
-    groups: dict[int, tuple[SafetensorsFile, list[int]]] = {}
-    for position, stored in enumerate(located):
-        group = groups.get(id(stored.file))
-        if group is None:
-            group = groups[id(stored.file)] = (stored.file, [])
-        group[1].append(position)
-    return list(groups.values())
+
+_OFFSET = operator.attrgetter("offset")
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def claims(path: Path) -> bool:
@@ -247,64 +253,62 @@ def _check_index(
                 raise StorageError(f"{file.path}: tensor '{key}' is not in the index {index}")
 
 
-def _shards(files: dict[Path, SafetensorsFile]) -> StoredShards:
-    """Every stored chunk, grouped by key, with global shapes and the checks between chunks."""
+def _shards(files: dict[Path, SafetensorsFile], infos: list[TensorInfo]) -> StoredShards:
+    """Every stored chunk, grouped by key, with global shapes and the checks between chunks;
+    each located by its row (``infos``: every file's tensors, file after file)."""
     listed = [(file, _sharding_info(file)) for file in files.values()]
-    return _shards_in_bulk(listed) or _shards_key_by_key(listed)
+    return _shards_in_bulk(listed, infos) or _shards_key_by_key(listed)
 
 
-def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]]
-                    ) -> StoredShards | None:
+def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]],
+                    infos: list[TensorInfo]) -> StoredShards | None:
     """`_shards`, every file's chunks as columns (`stored_shards`); None where a key lies in
     several files and some file has no offset for one of its tensors (then the chunks are
     read key by key, which names such a key)."""
     keys = list(itertools.chain.from_iterable(file.tensors for file, _ in listed))
-    infos = list(itertools.chain.from_iterable(file.tensors.values() for file, _ in listed))
     shapes = list(map(_SHAPE, infos))
-    zeros = list(map(_ZEROS.__getitem__, map(len, shapes)))  # any rank: headers hold <= 64
-    partial = False
     offsets: list[tuple[int, ...]] = []
-    done = 0
+    partial = False
     for file, found in listed:
-        count = len(file.tensors)
-        partial = partial or len(found) < count
-        offsets += (map(found.get, file.tensors, zeros[done:done + count]) if found else
-                    zeros[done:done + count])
-        done += count
+        if len(found) == len(file.tensors):
+            offsets += map(found.__getitem__, file.tensors)
+        else:  # a tensor without an offset is whole
+            partial = True
+            offsets += map(found.get, file.tensors,
+                           map(_ZEROS.__getitem__, map(len, map(_SHAPE, file.tensors.values()))))
     if partial and len(set(keys)) < len(keys):
         return None
-    owners = list(itertools.chain.from_iterable(
-        itertools.repeat(file, len(file.tensors)) for file, _ in listed))
-    return stored_shards(ChunkColumns(
-        keys, shapes, offsets, list(map(_DTYPE, infos)), list(map(_PATH, owners)),
-        list(map(_new_tuple, itertools.repeat(_Stored), zip(owners, keys, infos)))))
+    paths = list(itertools.chain.from_iterable(
+        itertools.repeat(file.path, len(file.tensors)) for file, _ in listed))
+    # the reader has checked every name, shape, dtype and offset (typed)
+    return stored_shards(ChunkColumns(keys, shapes, offsets, list(map(_DTYPE, infos)), paths,
+                                      range(len(keys))), typed=True)
 
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
-_PATH = operator.attrgetter("path")
-_ZEROS = tuple((0,) * rank for rank in range(MAX_DIMS + 1))
-_new_tuple = tuple.__new__  # a named tuple made from a row with no Python call
+_ZEROS = tuple((0,) * rank for rank in range(MAX_DIMS + 1))  # a header's tensor has <= 64
 
 
 def _shards_key_by_key(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]]
                        ) -> StoredShards:
     """`_shards`, the chunks gathered key by key."""
-    found: dict[str, list[tuple[SafetensorsFile, tuple[int, ...] | None, TensorInfo]]] = {}
+    found: dict[str, list[tuple[SafetensorsFile, tuple[int, ...] | None, TensorInfo, int]]] = {}
+    rows = itertools.count()
     for file, offsets in listed:
         for key, info in file.tensors.items():
-            found.setdefault(key, []).append((file, offsets.get(key), info))
+            found.setdefault(key, []).append((file, offsets.get(key), info, next(rows)))
     chunks: dict[str, list[Chunk]] = {}
     for key, stored in found.items():
-        if len(stored) > 1 and any(offset is None for _, offset, _ in stored):
+        if len(stored) > 1 and any(offset is None for _, offset, _, _ in stored):
             shards_by_key(chunks)  # the keys before it first, as they are listed
-            files_named = ", ".join(str(file.path) for file, _, _ in stored)
+            files_named = ", ".join(str(file.path) for file, _, _, _ in stored)
             raise StorageError(
                 f"tensor '{key}' is stored in several files without {SHARDING_KEY}: "
                 f"{files_named}")
         chunks[key] = [Chunk(info.shape, offset or (0,) * len(info.shape), info.dtype,
-                             file.path, _Stored(file, key, info))
-                       for file, offset, info in stored]
+                             file.path, row)
+                       for file, offset, info, row in stored]
     return as_stored(shards_by_key(chunks))
 
 
