@@ -115,9 +115,11 @@ def test_fuzz_chunks_as_columns_make_the_same_shards(case, data):
     grouped: dict = {}
     for key, *chunk in rows:
         grouped.setdefault(key, []).append(Chunk(*chunk))
-    columns = ChunkColumns(*map(list, zip(*rows)))
-    assert both_ways(lambda: stored_shards(columns)) == \
-        both_ways(lambda: as_stored(shards_by_key(grouped)))
+    columns = ChunkColumns(*map(list, zip(*rows))) if rows else ChunkColumns(*[[]] * 6)
+    expected = both_ways(lambda: as_stored(shards_by_key(grouped)))
+    assert both_ways(lambda: stored_shards(columns)) == expected
+    if chunks_module._well_typed(grouped, *columns[1:4]):  # as a format that checked them
+        assert outcome(lambda: stored_shards(columns, typed=True)) == expected
 
 
 def test_chunks_cut_along_one_axis_take_the_fast_path():

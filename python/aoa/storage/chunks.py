@@ -113,11 +113,14 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
             for position, way in enumerate(ways) if cuts[way] is None}
     made_of = {way: len(cut[0]) if cut else 0 for way, cut in cuts.items()}
     made = list(map(made_of.__getitem__, ways))
-    chosen = list(map(rows.__getitem__, map(  # the row of each shard
-        operator.add,
-        itertools.chain.from_iterable(map({way: cut[0] if cut else () for way, cut in
-                                           cuts.items()}.__getitem__, ways)),
-        itertools.chain.from_iterable(map(itertools.repeat, starts, made)))))
+    if all(cut and cut[0] == list(range(len(way))) for way, cut in cuts.items()):
+        chosen: Sequence[int] = rows  # no replicas, each key's chunks in order: every row
+    else:  # the row of each shard
+        chosen = list(map(rows.__getitem__, map(
+            operator.add,
+            itertools.chain.from_iterable(map({way: cut[0] if cut else () for way, cut in
+                                               cuts.items()}.__getitem__, ways)),
+            itertools.chain.from_iterable(map(itertools.repeat, starts, made)))))
     shard_keys = list(map(keys.__getitem__, chosen))
     shard_offsets = list(map(offsets.__getitem__, chosen))
     shape_of = {way: cut[1] if cut else () for way, cut in cuts.items()}

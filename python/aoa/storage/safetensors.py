@@ -263,12 +263,19 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
     # (listed back to back, each entry's range begins where the one before ends: that is
     # the order of `_read_entry_by_entry`, sorted by (begin, end), and stable)
     tensors = dict(zip(names, map(_new_tuple, itertools.repeat(TensorInfo), zip(
-        names, map(SAFETENSORS_CODES.__getitem__, codes), map(tuple, shapes),
+        names, map(SAFETENSORS_CODES.__getitem__, codes), interned(list(map(tuple, shapes))),
         map(operator.add, begins, itertools.repeat(data_start)), needed))))
     return metadata, tensors
 
 
 _new_tuple = tuple.__new__  # a named tuple made from a row with no Python call
+
+
+def interned(boxes: list[tuple[int, ...]]) -> map[tuple[int, ...]]:
+    """``boxes`` with equal ones the same object: a header's 30k shapes are a few dozen
+    (less memory, and fewer objects for the cyclic collector to visit)."""
+    first: dict[tuple[int, ...], tuple[int, ...]] = {}
+    return map(first.setdefault, boxes, boxes)
 
 
 def _entry_columns(entries: list[Any]) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any]] | None:

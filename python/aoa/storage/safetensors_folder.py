@@ -31,7 +31,7 @@ from aoa.layout import ShardDesc
 from aoa.limits import MAX_DIMS
 from aoa.storage.chunks import Chunk, ChunkColumns, as_stored, shards_by_key, stored_shards
 from aoa.storage.formats import Source, StoredShards
-from aoa.storage.safetensors import SafetensorsFile, TensorInfo
+from aoa.storage.safetensors import SafetensorsFile, TensorInfo, interned
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -322,6 +322,7 @@ def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
     return _well_formed_offsets(info, file) or _offsets_entry_by_entry(info, file, where)
 
 
+_SAVED_OFFSETS = operator.itemgetter(OFFSETS_KEY)
 _INT_ONLY = frozenset({int})
 _LIST_ONLY = frozenset({list})
 _DICT_ONLY = frozenset({dict})
@@ -336,14 +337,17 @@ def _well_formed_offsets(info: object, file: SafetensorsFile
     entries = list(info.values())
     if not _DICT_ONLY.issuperset(map(type, entries)):
         return None
-    saved = list(map(operator.methodcaller("get", OFFSETS_KEY), entries))
-    ranks = [len(file.tensors[key].shape) for key in info]
+    try:
+        saved = list(map(_SAVED_OFFSETS, entries))
+    except KeyError:
+        return None
+    ranks = list(map(len, map(_SHAPE, map(file.tensors.__getitem__, info))))
     if not (_LIST_ONLY.issuperset(map(type, saved)) and list(map(len, saved)) == ranks):
         return None
     numbers = list(itertools.chain.from_iterable(saved))
     if not _INT_ONLY.issuperset(map(type, numbers)) or min(numbers, default=0) < 0:
         return None
-    return dict(zip(info, map(tuple, saved)))
+    return dict(zip(info, interned(list(map(tuple, saved)))))
 
 
 def _offsets_entry_by_entry(info: object, file: SafetensorsFile, where: str
