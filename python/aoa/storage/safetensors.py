@@ -233,8 +233,10 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
     if columns is None:
         return None
     codes, shapes, offsets = columns
-    if not (_STR_ONLY.issuperset(map(type, codes)) and _ITEMSIZE_OF_CODE.keys() >= set(codes)
-            and _LIST_ONLY.issuperset(map(type, shapes))
+    if not _STR_ONLY.issuperset(map(type, codes)):
+        return None
+    kinds = set(codes)
+    if not (_ITEMSIZE_OF_CODE.keys() >= kinds and _LIST_ONLY.issuperset(map(type, shapes))
             and _LIST_ONLY.issuperset(map(type, offsets)) and {2}.issuperset(map(len, offsets))):
         return None
     extents = list(itertools.chain.from_iterable(shapes))
@@ -244,7 +246,8 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
             and max(map(len, shapes), default=0) <= MAX_DIMS):
         return None
     begins, ends = bounds[0::2], bounds[1::2]
-    sizes = list(map(_ITEMSIZE_OF_CODE.__getitem__, codes))
+    sizes = ([_ITEMSIZE_OF_CODE[next(iter(kinds))]] * len(codes) if len(kinds) == 1 else
+             list(map(_ITEMSIZE_OF_CODE.__getitem__, codes)))  # (one dtype: one look-up)
     needed = list(map(operator.mul, map(math.prod, shapes), sizes))
     if list(map(operator.sub, ends, begins)) != needed or max(ends, default=0) > data_bytes:
         return None
