@@ -165,7 +165,8 @@ def opened(path: Path):
 
 def header(path: Path):
     with SafetensorsFile.open(path) as file:
-        return file.metadata, list(file.tensors.items())
+        assert list(zip(*file.columns)) == list(file.tensors.values())
+        return file.metadata, file.columns, list(file.tensors.items())
 
 
 @fuzz_settings

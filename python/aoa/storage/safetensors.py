@@ -60,6 +60,18 @@ class TensorInfo(NamedTuple):
     nbytes: int
 
 
+class TensorColumns(NamedTuple):
+    """A file's tensors as columns, in file order (each one's name, dtype, shape, where its
+    bytes start inside the file and how many): what a header of 30k entries is read into,
+    with no record per tensor until one is asked for (`SafetensorsFile.tensors`)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
+    nbytes: list[int]
+
+
 def partial_path(path: Path) -> Path:
     """Where ``path`` is written before it is complete: a dot-file no reader picks up."""
     return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
@@ -73,14 +85,24 @@ class SafetensorsFile:
         path: Path,
         mapping: mmap.mmap,
         metadata: dict[str, str],
-        tensors: dict[str, TensorInfo],
+        columns: TensorColumns,
     ) -> None:
         self.path = path
         self.metadata = metadata
-        self.tensors = tensors
+        #: the tensors, in file order
+        self.columns = columns
+        self._tensors: dict[str, TensorInfo] | None = None
         self._mapping: mmap.mmap | None = mapping
         #: drops the pages of bytes read once (`release`), in batches
         self.pages = PageRelease(mapping)
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Each tensor by name, in file order (made when first asked for)."""
+        if self._tensors is None:
+            self._tensors = dict(zip(self.columns.names, map(
+                _new_tuple, itertools.repeat(TensorInfo), zip(*self.columns))))
+        return self._tensors
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SafetensorsFile:
@@ -97,11 +119,11 @@ class SafetensorsFile:
         except OSError as error:
             raise StorageError(f"{path}: cannot open: {error.strerror}") from error
         try:
-            metadata, tensors = _parse(path, mapping)
+            metadata, columns = _parse(path, mapping)
         except BaseException:
             mapping.close()
             raise
-        return cls(path, mapping, metadata, tensors)
+        return cls(path, mapping, metadata, columns)
 
     def buffer(self, name: str) -> memoryview:
         """The bytes of tensor ``name``: a read-only slice of the mapping, no copy."""
@@ -112,17 +134,18 @@ class SafetensorsFile:
 
     def buffers(self, names: list[str]) -> list[memoryview]:
         """`buffer` of each name, sliced from one view of the mapping."""
-        return self.views(self._infos(names))
+        infos = self._infos(names)
+        return self.views(list(map(_OFFSET, infos)), list(map(_NBYTES, infos)), names)
 
-    def views(self, infos: Sequence[TensorInfo]) -> list[memoryview]:
-        """The bytes of each of these tensors of this file (as `tensors` lists them), sliced
-        from one view of the mapping."""
+    def views(self, offsets: Sequence[int], nbytes: Sequence[int], names: Sequence[str]
+              ) -> list[memoryview]:
+        """The bytes of the tensors ``names`` of this file, at these ``offsets`` (as
+        `columns` has them), sliced from one view of the mapping."""
         if self._mapping is None:
-            raise StorageError(f"{self.path}: closed; cannot read tensor '{infos[0].name}'")
+            raise StorageError(f"{self.path}: closed; cannot read tensor '{names[0]}'")
         whole = memoryview(self._mapping)
-        offsets = list(map(_OFFSET, infos))
-        return list(map(whole.__getitem__, map(slice, offsets, map(
-            operator.add, offsets, map(_NBYTES, infos)))))
+        return list(map(whole.__getitem__, map(slice, offsets, map(operator.add, offsets,
+                                                                    nbytes))))
 
     def array(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a read-only numpy view (bf16 and fp8 through ml_dtypes)."""
@@ -169,7 +192,7 @@ _OFFSET = operator.attrgetter("offset")
 _NBYTES = operator.attrgetter("nbytes")
 
 
-def _parse(path: Path, data: mmap.mmap) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+def _parse(path: Path, data: mmap.mmap) -> tuple[dict[str, str], TensorColumns]:
     """Metadata and tensors (in file order) of a mapped file, every claim checked."""
     (header_bytes,) = struct.unpack("<Q", data[:_LENGTH_BYTES])
     implausible = header_bytes > MAX_HEADER_BYTES or _LENGTH_BYTES + header_bytes > len(data)
@@ -189,8 +212,12 @@ def _parse(path: Path, data: mmap.mmap) -> tuple[dict[str, str], dict[str, Tenso
     text = decode(data[_LENGTH_BYTES : _LENGTH_BYTES + header_bytes], path, "header",
                   StorageError)
     data_start = _LENGTH_BYTES + header_bytes
-    return (_read_well_formed(text, data_start, len(data) - data_start)
-            or _read_entry_by_entry(path, text, data_start, len(data) - data_start))
+    found = _read_well_formed(text, data_start, len(data) - data_start)
+    if found is not None:
+        return found
+    metadata, tensors = _read_entry_by_entry(path, text, data_start, len(data) - data_start)
+    return metadata, TensorColumns(*(map(list, zip(*tensors.values())) if tensors else
+                                     ([] for _ in TensorColumns._fields)))
 
 
 _INT_ONLY = frozenset({int})
@@ -201,11 +228,11 @@ _ITEMSIZE_OF_CODE = {code: itemsize(dtype) for code, dtype in SAFETENSORS_CODES.
 
 
 def _read_well_formed(text: str, data_start: int, data_bytes: int
-                      ) -> tuple[dict[str, str], dict[str, TensorInfo]] | None:
-    """What `_read_entry_by_entry` returns, for a header that passes all of its checks,
-    made column by column (every entry's dtype, then every shape, ...) with no Python call
-    per entry: the checks of a header of 31k entries take milliseconds, a small part of
-    parsing its JSON. None at the first doubt; the entry-by-entry reading then finds the
+                      ) -> tuple[dict[str, str], TensorColumns] | None:
+    """What `_read_entry_by_entry` returns (as columns), for a header that passes all of
+    its checks, made column by column (every entry's dtype, then every shape, ...) with no
+    Python call per entry: the checks of a header of 31k entries take a fraction of the
+    time parsing its JSON takes. None at the first doubt; the entry-by-entry reading then finds the
     fault and names it.
 
     JSON objects are read as tuples of pairs, so that a key named twice in one object
@@ -265,10 +292,11 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
         return None  # bytes after the last tensor
     # (listed back to back, each entry's range begins where the one before ends: that is
     # the order of `_read_entry_by_entry`, sorted by (begin, end), and stable)
-    tensors = dict(zip(names, map(_new_tuple, itertools.repeat(TensorInfo), zip(
-        names, map(SAFETENSORS_CODES.__getitem__, codes), interned(list(map(tuple, shapes))),
-        map(operator.add, begins, itertools.repeat(data_start)), needed))))
-    return metadata, tensors
+    dtypes = ([SAFETENSORS_CODES[codes[0]]] * len(codes) if len(kinds) == 1 else
+              list(map(SAFETENSORS_CODES.__getitem__, codes)))
+    return metadata, TensorColumns(
+        names, dtypes, list(interned(list(map(tuple, shapes)))),
+        list(map(operator.add, begins, itertools.repeat(data_start))), needed)
 
 
 _new_tuple = tuple.__new__  # a named tuple made from a row with no Python call

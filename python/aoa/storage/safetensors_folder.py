@@ -22,8 +22,9 @@ from __future__ import annotations
 import itertools
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from aoa.errors import StorageError, quote
 from aoa.inputs import load_json, read_text
@@ -38,6 +39,8 @@ SINGLE_NAME = "model.safetensors"
 SHARDING_KEY = "DCP_SHARDING_INFO"
 OFFSETS_KEY = "saved_offsets"
 
+T = TypeVar("T")
+
 
 class SafetensorsSource(Source[int]):
     """The open files of a safetensors checkpoint; buffers are views of their mappings.
@@ -48,41 +51,40 @@ class SafetensorsSource(Source[int]):
     def __init__(self, path: Path, files: dict[Path, SafetensorsFile]) -> None:
         sharded = any(SHARDING_KEY in file.metadata for file in files.values())
         self._files = files
-        #: each row's file and tensor
-        self._owners: list[SafetensorsFile] = list(itertools.chain.from_iterable(
-            itertools.repeat(file, len(file.tensors)) for file in files.values()))
-        self._infos: list[TensorInfo] = list(itertools.chain.from_iterable(
-            file.tensors.values() for file in files.values()))
-        super().__init__(path, "dcp-safetensors" if sharded else "safetensors",
-                         _shards(files, self._infos))
+        #: each row's file, and its tensor's name and bytes in the file
+        self._owners: list[SafetensorsFile] = _rows(
+            itertools.repeat(file, len(file.columns.names)) for file in files.values())
+        self._names = _rows(file.columns.names for file in files.values())
+        self._offsets = _rows(file.columns.offsets for file in files.values())
+        self._nbytes = _rows(file.columns.nbytes for file in files.values())
+        super().__init__(path, "dcp-safetensors" if sharded else "safetensors", _shards(files))
 
     def buffer(self, shard: ShardDesc) -> memoryview:
         row = self.location(shard)
-        return self._owners[row].buffer(self._infos[row].name)
+        return self._owners[row].views([self._offsets[row]], [self._nbytes[row]],
+                                       [self._names[row]])[0]
 
     def buffers(self, shards: Sequence[ShardDesc]) -> list[memoryview]:
         rows = self.locations(shards)
         groups = self._by_file(rows)
         if len(groups) == 1:  # all in one file
-            return groups[0][0].views(list(map(self._infos.__getitem__, rows)))
+            return groups[0][0].views(*self._columns(rows))
         views: list[memoryview] = [memoryview(b"")] * len(rows)
         for file, positions in groups:
-            found = file.views(list(map(self._infos.__getitem__,
-                                        map(rows.__getitem__, positions))))
+            found = file.views(*self._columns(list(map(rows.__getitem__, positions))))
             for position, view in zip(positions, found):
                 views[position] = view
         return views
 
     def release(self, shard: ShardDesc) -> None:
         row = self.location(shard)
-        info = self._infos[row]
-        self._owners[row].pages.release(info.offset, info.nbytes)
+        self._owners[row].pages.release(self._offsets[row], self._nbytes[row])
 
     def release_many(self, shards: Sequence[ShardDesc]) -> None:
         rows = self.locations(shards)
         for file, positions in self._by_file(rows):
-            infos = list(map(self._infos.__getitem__, map(rows.__getitem__, positions)))
-            file.pages.release_many(list(zip(map(_OFFSET, infos), map(_NBYTES, infos))))
+            offsets, nbytes, _ = self._columns(list(map(rows.__getitem__, positions)))
+            file.pages.release_many(list(zip(offsets, nbytes)))
 
     def file_of(self, shard: ShardDesc) -> Path:
         return self._owners[self.location(shard)].path
@@ -93,6 +95,12 @@ class SafetensorsSource(Source[int]):
     def close(self) -> None:
         for file in self._files.values():
             file.close()
+
+    def _columns(self, rows: list[int]) -> tuple[list[int], list[int], list[str]]:
+        """The byte offsets, sizes and names of ``rows``."""
+        return (list(map(self._offsets.__getitem__, rows)),
+                list(map(self._nbytes.__getitem__, rows)),
+                list(map(self._names.__getitem__, rows)))
 
     def _by_file(self, rows: list[int]) -> list[tuple[SafetensorsFile, Sequence[int]]]:
         """Rows grouped by file: each file, and the positions in ``rows`` of its rows."""
@@ -105,8 +113,9 @@ class SafetensorsSource(Source[int]):
         return [(owners[group[0]], group) for group in groups]
 
 
-_OFFSET = operator.attrgetter("offset")
-_NBYTES = operator.attrgetter("nbytes")
+def _rows(columns: Iterable[Iterable[T]]) -> list[T]:
+    """Every file's column, file after file: one per row."""
+    return list(itertools.chain.from_iterable(columns))
 
 
 def claims(path: Path) -> bool:
@@ -242,51 +251,53 @@ def _check_index(
 
     (DCP maps a key split over several files to one of them; that passes both checks.)
     """
+    held = {path: set(file.columns.names) for path, file in files.items()}
     for key, name in weight_map.items():
-        if key not in files[index.parent / name].tensors:
+        if key not in held[index.parent / name]:
             raise StorageError(
                 f"{index}: says tensor '{key}' is in '{name}', which does not hold it"
             )
     for file in files.values():
-        for key in file.tensors:
+        if weight_map.keys() >= held[file.path]:
+            continue
+        for key in file.columns.names:
             if key not in weight_map:
                 raise StorageError(f"{file.path}: tensor '{key}' is not in the index {index}")
 
 
-def _shards(files: dict[Path, SafetensorsFile], infos: list[TensorInfo]) -> StoredShards:
+def _shards(files: dict[Path, SafetensorsFile]) -> StoredShards:
     """Every stored chunk, grouped by key, with global shapes and the checks between chunks;
-    each located by its row (``infos``: every file's tensors, file after file)."""
+    each located by its row (every file's tensors, file after file)."""
     listed = [(file, _sharding_info(file)) for file in files.values()]
-    return _shards_in_bulk(listed, infos) or _shards_key_by_key(listed)
+    return _shards_in_bulk(listed) or _shards_key_by_key(listed)
 
 
-def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]],
-                    infos: list[TensorInfo]) -> StoredShards | None:
+def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]]
+                    ) -> StoredShards | None:
     """`_shards`, every file's chunks as columns (`stored_shards`); None where a key lies in
     several files and some file has no offset for one of its tensors (then the chunks are
     read key by key, which names such a key)."""
-    keys = list(itertools.chain.from_iterable(file.tensors for file, _ in listed))
-    shapes = list(map(_SHAPE, infos))
+    keys = _rows(file.columns.names for file, _ in listed)
     offsets: list[tuple[int, ...]] = []
     partial = False
     for file, found in listed:
-        if len(found) == len(file.tensors):
-            offsets += map(found.__getitem__, file.tensors)
+        names = file.columns.names
+        if len(found) == len(names):
+            offsets += map(found.__getitem__, names)
         else:  # a tensor without an offset is whole
             partial = True
-            offsets += map(found.get, file.tensors,
-                           map(_ZEROS.__getitem__, map(len, map(_SHAPE, file.tensors.values()))))
+            offsets += map(found.get, names,
+                           map(_ZEROS.__getitem__, map(len, file.columns.shapes)))
     if partial and len(set(keys)) < len(keys):
         return None
-    paths = list(itertools.chain.from_iterable(
-        itertools.repeat(file.path, len(file.tensors)) for file, _ in listed))
     # the reader has checked every name, shape, dtype and offset (typed)
-    return stored_shards(ChunkColumns(keys, shapes, offsets, list(map(_DTYPE, infos)), paths,
-                                      range(len(keys))), typed=True)
+    return stored_shards(ChunkColumns(
+        keys, _rows(file.columns.shapes for file, _ in listed), offsets,
+        _rows(file.columns.dtypes for file, _ in listed),
+        _rows(itertools.repeat(file.path, len(file.columns.names)) for file, _ in listed),
+        range(len(keys))), typed=True)
 
 
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
 _ZEROS = tuple((0,) * rank for rank in range(MAX_DIMS + 1))  # a header's tensor has <= 64
 
 
@@ -332,8 +343,16 @@ def _well_formed_offsets(info: object, file: SafetensorsFile
                          ) -> dict[str, tuple[int, ...]] | None:
     """What `_offsets_entry_by_entry` returns, where it finds no fault, made column by
     column; None at the first doubt (or for no entries), for it to name the fault."""
-    if type(info) is not dict or not info or not file.tensors.keys() >= info.keys():
+    names, shapes = file.columns.names, file.columns.shapes
+    if type(info) is not dict or not info:
         return None
+    if list(info) == names:  # listed as the header lists them (as DCP writes them)
+        ranks = list(map(len, shapes))
+    else:
+        rank_of = dict(zip(names, map(len, shapes)))
+        if not rank_of.keys() >= info.keys():
+            return None
+        ranks = list(map(rank_of.__getitem__, info))
     entries = list(info.values())
     if not _DICT_ONLY.issuperset(map(type, entries)):
         return None
@@ -341,7 +360,6 @@ def _well_formed_offsets(info: object, file: SafetensorsFile
         saved = list(map(_SAVED_OFFSETS, entries))
     except KeyError:
         return None
-    ranks = list(map(len, map(_SHAPE, map(file.tensors.__getitem__, info))))
     if not (_LIST_ONLY.issuperset(map(type, saved)) and list(map(len, saved)) == ranks):
         return None
     numbers = list(itertools.chain.from_iterable(saved))
