@@ -128,24 +128,22 @@ class SafetensorsFile:
     def buffer(self, name: str) -> memoryview:
         """The bytes of tensor ``name``: a read-only slice of the mapping, no copy."""
         info = self._info(name)
+        return self.whole(name)[info.offset : info.offset + info.nbytes]
+
+    def whole(self, reading: str) -> memoryview:
+        """The whole file as mapped, read-only, to slice tensors from (``reading``: the
+        tensor wanted, named if the file is closed)."""
         if self._mapping is None:
-            raise StorageError(f"{self.path}: closed; cannot read tensor '{name}'")
-        return memoryview(self._mapping)[info.offset : info.offset + info.nbytes]
+            raise StorageError(f"{self.path}: closed; cannot read tensor '{reading}'")
+        return memoryview(self._mapping)
 
     def buffers(self, names: list[str]) -> list[memoryview]:
         """`buffer` of each name, sliced from one view of the mapping."""
         infos = self._infos(names)
-        return self.views(list(map(_OFFSET, infos)), list(map(_NBYTES, infos)), names)
-
-    def views(self, offsets: Sequence[int], nbytes: Sequence[int], names: Sequence[str]
-              ) -> list[memoryview]:
-        """The bytes of the tensors ``names`` of this file, at these ``offsets`` (as
-        `columns` has them), sliced from one view of the mapping."""
-        if self._mapping is None:
-            raise StorageError(f"{self.path}: closed; cannot read tensor '{names[0]}'")
-        whole = memoryview(self._mapping)
-        return list(map(whole.__getitem__, map(slice, offsets, map(operator.add, offsets,
-                                                                    nbytes))))
+        whole = self.whole(names[0])
+        offsets = list(map(_OFFSET, infos))
+        return list(map(whole.__getitem__, map(slice, offsets, map(
+            operator.add, offsets, map(_NBYTES, infos)))))
 
     def array(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a read-only numpy view (bf16 and fp8 through ml_dtypes)."""

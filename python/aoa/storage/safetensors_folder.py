@@ -19,12 +19,13 @@ a word.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from aoa.errors import StorageError, quote
 from aoa.inputs import load_json, read_text
@@ -51,43 +52,46 @@ class SafetensorsSource(Source[int]):
     def __init__(self, path: Path, files: dict[Path, SafetensorsFile]) -> None:
         sharded = any(SHARDING_KEY in file.metadata for file in files.values())
         self._files = files
-        #: each row's file, and its tensor's name and bytes in the file
-        self._owners: list[SafetensorsFile] = _rows(
-            itertools.repeat(file, len(file.columns.names)) for file in files.values())
-        self._names = _rows(file.columns.names for file in files.values())
-        self._offsets = _rows(file.columns.offsets for file in files.values())
-        self._nbytes = _rows(file.columns.nbytes for file in files.values())
+        self._listed = list(files.values())
+        #: each row's file (its number in ``_listed``), and its tensor's name and bytes there
+        self._numbers = _rows(itertools.repeat(number, len(file.columns.names))
+                              for number, file in enumerate(self._listed))
+        self._names = _rows(file.columns.names for file in self._listed)
+        self._offsets = _rows(file.columns.offsets for file in self._listed)
+        self._nbytes = _rows(file.columns.nbytes for file in self._listed)
         super().__init__(path, "dcp-safetensors" if sharded else "safetensors", _shards(files))
 
     def buffer(self, shard: ShardDesc) -> memoryview:
-        row = self.location(shard)
-        return self._owners[row].views([self._offsets[row]], [self._nbytes[row]],
-                                       [self._names[row]])[0]
+        return self.buffers([shard])[0]
 
     def buffers(self, shards: Sequence[ShardDesc]) -> list[memoryview]:
         rows = self.locations(shards)
-        groups = self._by_file(rows)
-        if len(groups) == 1:  # all in one file
-            return groups[0][0].views(*self._columns(rows))
-        views: list[memoryview] = [memoryview(b"")] * len(rows)
-        for file, positions in groups:
-            found = file.views(*self._columns(list(map(rows.__getitem__, positions))))
-            for position, view in zip(positions, found):
-                views[position] = view
-        return views
+        numbers = list(map(self._numbers.__getitem__, rows))
+        first_rows = dict(zip(reversed(numbers), reversed(rows)))  # each file's first asked
+        wholes = {number: self._listed[number].whole(self._names[first_rows[number]])
+                  for number in dict.fromkeys(numbers)}
+        offsets = list(map(self._offsets.__getitem__, rows))
+        return list(map(_SLICE_OF, map(wholes.__getitem__, numbers), map(
+            slice, offsets, map(operator.add, offsets, map(self._nbytes.__getitem__, rows)))))
 
     def release(self, shard: ShardDesc) -> None:
-        row = self.location(shard)
-        self._owners[row].pages.release(self._offsets[row], self._nbytes[row])
+        self.release_many([shard])
 
     def release_many(self, shards: Sequence[ShardDesc]) -> None:
         rows = self.locations(shards)
-        for file, positions in self._by_file(rows):
-            offsets, nbytes, _ = self._columns(list(map(rows.__getitem__, positions)))
-            file.pages.release_many(list(zip(offsets, nbytes)))
+        numbers = list(map(self._numbers.__getitem__, rows))
+        ranges = list(zip(map(self._offsets.__getitem__, rows),
+                          map(self._nbytes.__getitem__, rows)))
+        if len(set(numbers)) > 1:  # by file, each file's in the order asked
+            order = sorted(range(len(rows)), key=numbers.__getitem__)
+            numbers = list(map(numbers.__getitem__, order))
+            ranges = list(map(ranges.__getitem__, order))
+        ends = list(itertools.accumulate(collections.Counter(numbers).values()))
+        for number, start, end in zip(dict.fromkeys(numbers), [0, *ends[:-1]], ends):
+            self._listed[number].pages.release_many(ranges[start:end])
 
     def file_of(self, shard: ShardDesc) -> Path:
-        return self._owners[self.location(shard)].path
+        return self._listed[self._numbers[self.location(shard)]].path
 
     def files(self) -> list[Path]:
         return sorted(self._files)
@@ -96,21 +100,7 @@ class SafetensorsSource(Source[int]):
         for file in self._files.values():
             file.close()
 
-    def _columns(self, rows: list[int]) -> tuple[list[int], list[int], list[str]]:
-        """The byte offsets, sizes and names of ``rows``."""
-        return (list(map(self._offsets.__getitem__, rows)),
-                list(map(self._nbytes.__getitem__, rows)),
-                list(map(self._names.__getitem__, rows)))
-
-    def _by_file(self, rows: list[int]) -> list[tuple[SafetensorsFile, Sequence[int]]]:
-        """Rows grouped by file: each file, and the positions in ``rows`` of its rows."""
-        owners = list(map(self._owners.__getitem__, rows))
-        if len(dict.fromkeys(owners)) <= 1:
-            return [(owners[0], range(len(rows)))] if rows else []
-        numbers = list(map(id, owners))
-        ordered = sorted(range(len(rows)), key=numbers.__getitem__)
-        groups = [list(group) for _, group in itertools.groupby(ordered, numbers.__getitem__)]
-        return [(owners[group[0]], group) for group in groups]
+_SLICE_OF = cast(Callable[[memoryview, slice], memoryview], operator.getitem)
 
 
 def _rows(columns: Iterable[Iterable[T]]) -> list[T]:
