@@ -95,6 +95,17 @@ def test_many_shards_at_once_across_files(tmp_path: Path, monkeypatch) -> None:
         assert storage_error(checkpoint.release_many, [stray]) == expected
 
 
+def test_a_closed_source_names_the_file_and_the_tensor_asked(tmp_path: Path) -> None:
+    save_file({"a": arange(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": arange(3)}, tmp_path / "model-00002-of-00002.safetensors")
+    checkpoint = open_source(tmp_path)
+    shards = [checkpoint.shards["b"][0], checkpoint.shards["a"][0]]
+    checkpoint.close()
+    expected = f"{tmp_path / 'model-00002-of-00002.safetensors'}: closed; cannot read tensor 'b'"
+    assert storage_error(checkpoint.buffers, shards) == expected
+    assert storage_error(checkpoint.buffer, shards[0]) == expected
+
+
 def test_index_naming_a_missing_shard_file(tmp_path: Path) -> None:
     save_file({"a": arange(2)}, tmp_path / "model-00001-of-00002.safetensors")
     hf_index(
