@@ -316,19 +316,28 @@ class Destination(ABC):
             with StagingBuffers() as buffers:
                 for file in chosen:
                     self.write_file(self.output.stage(file.filename), file, fill, buffers)
+                if not all(buffers.finish()):
+                    self._refused()
         except BaseException:
             self.output.abort()
             raise
         return [self.folder / file.filename for file in chosen]
 
     def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object) -> None:
-        """Write ``file`` at ``path`` (in the staging folder) as `layout` says."""
-        from aoa.storage.writer import StagingBuffers, write_file
+        """Write ``file`` at ``path`` (in the staging folder) as `layout` says: every byte
+        handed to the writers when this returns, the file finishing (fsync) while the next
+        one is filled; ``write`` waits for them all."""
+        from aoa.storage.writer import StagingBuffers, start_file
 
         assert isinstance(buffers, StagingBuffers)
-        direct = write_file(path, self.layout(file), fill, buffers, direct=self.direct)
-        if self.direct and not direct:
-            self.direct = False  # no use asking again
+        started = start_file(path, self.layout(file), fill, buffers, direct=self.direct)
+        if not started.direct:
+            self._refused()
+
+    def _refused(self) -> None:
+        """The file system refused direct I/O: no use asking again; said once."""
+        if self.direct:
+            self.direct = False
             self.notes.append(f"{self.folder}: the file system refuses direct I/O (O_DIRECT); "
                               "wrote through the page cache")
 
