@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from aoa.layout import shards_nbytes
 from aoa.plan import Plan
 from aoa.runtime.kernel_table import SOURCE, PlanTable
 
@@ -31,6 +32,8 @@ class SourceReleases:
                  release: Callable[[list[int]], None]) -> None:
         self._table = table
         self._sources = plan.sources
+        #: each source shard's bytes (at least 1: a shard kept counts as held)
+        self._nbytes = np.maximum(np.array(shards_nbytes(plan.sources), np.int64), 1)
         self._destinations = plan.destinations
         self._release = release
         self._remaining = np.bincount(_read(table, np.arange(len(table.plan_copies))),
@@ -60,7 +63,7 @@ class SourceReleases:
         dropped = read[done]
         kept = read[~done]
         new = kept[self._held[kept] == 0]
-        self._held[new] = [self._sources[index].nbytes or 1 for index in new.tolist()]
+        self._held[new] = self._nbytes[new]
         self._held_bytes += int(self._held[new].sum()) - int(self._held[dropped].sum())
         self._held[dropped] = 0
         if self._held_bytes > HELD_BYTES:
