@@ -36,7 +36,7 @@ class SourceReleases:
         self._nbytes = np.maximum(np.array(shards_nbytes(plan.sources), np.int64), 1)
         self._destinations = plan.destinations
         self._release = release
-        self._remaining = np.bincount(_read(table, np.arange(len(table.plan_copies))),
+        self._remaining = np.bincount(_read(table, np.arange(len(table.order))),
                                       minlength=len(plan.sources))
         self._held = np.zeros(len(plan.sources), np.int64)  # bytes kept of each, 0: none
         self._held_bytes = 0
@@ -75,8 +75,9 @@ class SourceReleases:
 
 
 def _read(table: PlanTable, rows: np.ndarray) -> np.ndarray:
-    """The source shards (and scales) records ``rows`` read, once per record."""
-    records = table.records
+    """The source shards (and scales) records ``rows`` (of ``table.lowered``) read, once
+    per record."""
+    records = table.lowered
     scales = records.scales[rows]
     return np.concatenate([records.table[records.starts[rows] + SOURCE],
                            records.table[scales[scales >= 0]]])

@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import operator
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -94,6 +95,7 @@ FORMAT_NAMES = tuple(FORMAT_MODULES)
 DEFAULT_MAX_FILE_BYTES = 5 * 10**9
 
 Location = TypeVar("Location")
+_DTYPE = operator.attrgetter("dtype")
 
 
 class Source(ABC, Generic[Location]):
@@ -264,8 +266,9 @@ class Destination(ABC):
                  objects: Mapping[str, bytes] | None = None, *, direct: bool = True) -> None:
         self.folder = Path(folder)
         #: dtype None reads as float32, as in Paddle
-        self.shards = [shard if shard.dtype else dataclasses.replace(shard, dtype="float32")
-                       for shard in shards]
+        self.shards = (list(shards) if all(set(map(_DTYPE, shards))) else
+                       [shard if shard.dtype else dataclasses.replace(shard, dtype="float32")
+                        for shard in shards])
         self.files = list(files)
         self.extras = dict(extras or {})
         #: items that are not tensors, written as these bytes where the format holds such
