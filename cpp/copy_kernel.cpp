@@ -83,6 +83,31 @@ RowFn copy_row_for(int64_t itemsize) {
   }
 }
 
+// `count` rows of `Bytes` contiguous bytes each, strided on both sides: the memcpy of a
+// known size becomes a few moves.
+template <int64_t Bytes>
+void copy_rows_of(const uint8_t* source, int64_t source_stride, uint8_t* destination,
+                  int64_t destination_stride, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(destination + i * destination_stride, source + i * source_stride, Bytes);
+}
+
+// Rows of `bytes` contiguous bytes (a plain copy's last axis): a tensor of many short rows
+// (the experts of a large MoE: rows of 16 or 32 bytes) costs a call per row otherwise.
+void copy_rows(int64_t bytes, const uint8_t* source, int64_t source_stride,
+               uint8_t* destination, int64_t destination_stride, int64_t count) {
+  switch (bytes) {
+    case 8: return copy_rows_of<8>(source, source_stride, destination, destination_stride, count);
+    case 16: return copy_rows_of<16>(source, source_stride, destination, destination_stride, count);
+    case 32: return copy_rows_of<32>(source, source_stride, destination, destination_stride, count);
+    case 64: return copy_rows_of<64>(source, source_stride, destination, destination_stride, count);
+    default:
+      for (int64_t i = 0; i < count; ++i)
+        std::memcpy(destination + i * destination_stride, source + i * source_stride,
+                    static_cast<size_t>(bytes));
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // A validated copy, its axes simplified into loop order.
 
@@ -134,6 +159,8 @@ struct PreparedCopy {
   int64_t tile_rows;            // the tile's shape, when `tiled`
   int64_t tile_columns;
   int64_t first_column;         // where the first full-width tile starts, when `tiled`
+  int64_t row_bytes;            // > 0: a plain copy whose last axis is contiguous on both
+                                // sides, that many bytes (walked as rows, `copy_rows`)
   int64_t bytes;                // read plus written: the weight for splitting work
   BlockScales scales;           // when `scales.data`: the steps start from float32
 };
@@ -445,6 +472,10 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
     copy.axes.push_back({shape[k], source_strides[k], destination_strides[k]});
   simplify(copy);
   if (copy.tiled) plan_tiles(copy, moves_bytes);
+  if (moves_bytes && !copy.tiled && copy.axes.size() >= 2 &&
+      copy.axes.back().source_stride == copy.source_itemsize &&
+      copy.axes.back().destination_stride == copy.destination_itemsize)
+    copy.row_bytes = copy.axes.back().extent * copy.source_itemsize;
   return copy;
 }
 
@@ -603,6 +634,11 @@ void walk(const PreparedCopy& copy, size_t axis, const uint8_t* source, uint8_t*
           int64_t begin, int64_t end) {
   const size_t loop_axes = copy.axes.size() - (copy.tiled ? 2 : 1);
   const Axis& a = copy.axes[axis];
+  if (copy.row_bytes > 0 && axis + 1 == loop_axes) {  // rows [begin, end) of plain bytes
+    copy_rows(copy.row_bytes, source + begin * a.source_stride, a.source_stride,
+              destination + begin * a.destination_stride, a.destination_stride, end - begin);
+    return;
+  }
   if (axis == loop_axes) {
     if (copy.tiled) {
       run_tiles(copy, source, destination, begin, end);
