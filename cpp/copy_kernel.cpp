@@ -414,9 +414,12 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
   if (destination < 0 || destination >= static_cast<int64_t>(destinations.size()))
     refuse(index, "destination " + std::to_string(destination) + " does not exist (" +
                       std::to_string(destinations.size()) + " destinations)");
-  std::vector<Dtype> chain{dtype_from_code(index, head[4])};
+  const Dtype first_dtype = dtype_from_code(index, head[4]);
   const Dtype destination_dtype = dtype_from_code(index, head[5]);
   const int64_t* via = reader.take(index, head[6]);
+  std::vector<Dtype> chain;  // one allocation per copy, not one per step
+  chain.reserve(static_cast<size_t>(head[6]) + 2);
+  chain.push_back(first_dtype);
   for (int64_t k = 0; k < head[6]; ++k) chain.push_back(dtype_from_code(index, via[k]));
   chain.push_back(destination_dtype);
 
@@ -517,8 +520,8 @@ void run_tile(const PreparedCopy& copy, const uint8_t* source, uint8_t* destinat
 }
 
 // A TileFn for an exact transpose: whole blocks of Rows x Columns (inlined), then the
-// edges through rows.
-template <BlockFn Block, int64_t Rows, int64_t Columns>
+// edges through `Edge` (rows, or smaller blocks).
+template <BlockFn Block, int64_t Rows, int64_t Columns, TileFn Edge = &run_tile>
 [[gnu::always_inline]] inline void transposed_tile(const PreparedCopy& copy, const uint8_t* source,
                                                    uint8_t* destination, int64_t row0,
                                                    int64_t row_end, int64_t column0,
@@ -534,9 +537,9 @@ template <BlockFn Block, int64_t Rows, int64_t Columns>
             destination + row * rows.destination_stride + column * columns.destination_stride,
             rows.destination_stride);
   if (block_width < width)
-    run_tile(copy, source, destination, row0, block_rows_end, column0 + block_width,
-             width - block_width);
-  run_tile(copy, source, destination, block_rows_end, row_end, column0, width);
+    Edge(copy, source, destination, row0, block_rows_end, column0 + block_width,
+         width - block_width);
+  Edge(copy, source, destination, block_rows_end, row_end, column0, width);
 }
 
 template <BlockFn Block, int64_t Side>
@@ -546,6 +549,14 @@ void run_transposed_tile(const PreparedCopy& copy, const uint8_t* source, uint8_
 }
 
 #if defined(__x86_64__)
+// What an AVX2 block leaves (a tile narrower or shorter than a block: the 32 x 16 experts
+// of a large MoE fit no 16 x 32 block of 2-byte items) goes through SSE2 blocks.
+template <int64_t Size> constexpr TileFn sse2_tile() {
+  if constexpr (Size == 8) return &run_transposed_tile<&transpose_block_8, 2>;
+  if constexpr (Size == 4) return &run_transposed_tile<&transpose_block_4, 4>;
+  return &run_transposed_tile<&transpose_block_2, 8>;
+}
+
 // The walk over AVX2 blocks, compiled for AVX2 and flattened so that they inline.
 template <int64_t Size, bool Stream>
 AOA_AVX2 [[gnu::flatten]] void run_transposed_tile_avx2(const PreparedCopy& copy,
@@ -553,7 +564,7 @@ AOA_AVX2 [[gnu::flatten]] void run_transposed_tile_avx2(const PreparedCopy& copy
                                                         uint8_t* destination, int64_t row0,
                                                         int64_t row_end, int64_t column0,
                                                         int64_t width) {
-  transposed_tile<&transpose_block_avx2<Size, Stream>, 32 / Size, 64 / Size>(
+  transposed_tile<&transpose_block_avx2<Size, Stream>, 32 / Size, 64 / Size, sse2_tile<Size>()>(
       copy, source, destination, row0, row_end, column0, width);
   if (Stream) _mm_sfence();  // streamed stores are ordered before whatever comes next
 }
