@@ -278,7 +278,7 @@ class Destination(ABC):
         self.direct = direct
         #: what a person should know about the write (said once): a refused O_DIRECT
         self.notes: list[str] = []
-        self.output = OutputFolder(self.folder, checkpoint_patterns())
+        self.output = OutputFolder(self.folder, checkpoint_patterns)
 
     # -- what a format says ----------------------------------------------------------------
 
