@@ -84,9 +84,9 @@ class StagingBuffers:
     def finish(self) -> list[bool]:
         """Wait for every file still finishing; whether each went around the page cache, in
         the order they were started. Raises the first failure (after waiting for all)."""
-        finishing, self.finishing = self.finishing, []
-        for file in finishing:
+        for file in self.finishing:  # all of them, before any failure is raised
             file.wait()
+        finishing, self.finishing = self.finishing, []
         return [file.result() for file in finishing]
 
     def close(self) -> None:
