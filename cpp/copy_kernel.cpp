@@ -83,6 +83,31 @@ RowFn copy_row_for(int64_t itemsize) {
   }
 }
 
+// `count` rows of `Bytes` contiguous bytes each, strided on both sides: the memcpy of a
+// known size becomes a few moves.
+template <int64_t Bytes>
+void copy_rows_of(const uint8_t* source, int64_t source_stride, uint8_t* destination,
+                  int64_t destination_stride, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(destination + i * destination_stride, source + i * source_stride, Bytes);
+}
+
+// Rows of `bytes` contiguous bytes (a plain copy's last axis): a tensor of many short rows
+// (the experts of a large MoE: rows of 16 or 32 bytes) costs a call per row otherwise.
+void copy_rows(int64_t bytes, const uint8_t* source, int64_t source_stride,
+               uint8_t* destination, int64_t destination_stride, int64_t count) {
+  switch (bytes) {
+    case 8: return copy_rows_of<8>(source, source_stride, destination, destination_stride, count);
+    case 16: return copy_rows_of<16>(source, source_stride, destination, destination_stride, count);
+    case 32: return copy_rows_of<32>(source, source_stride, destination, destination_stride, count);
+    case 64: return copy_rows_of<64>(source, source_stride, destination, destination_stride, count);
+    default:
+      for (int64_t i = 0; i < count; ++i)
+        std::memcpy(destination + i * destination_stride, source + i * source_stride,
+                    static_cast<size_t>(bytes));
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // A validated copy, its axes simplified into loop order.
 
@@ -134,6 +159,8 @@ struct PreparedCopy {
   int64_t tile_rows;            // the tile's shape, when `tiled`
   int64_t tile_columns;
   int64_t first_column;         // where the first full-width tile starts, when `tiled`
+  int64_t row_bytes;            // > 0: a plain copy whose last axis is contiguous on both
+                                // sides, that many bytes (walked as rows, `copy_rows`)
   int64_t bytes;                // read plus written: the weight for splitting work
   BlockScales scales;           // when `scales.data`: the steps start from float32
 };
@@ -387,9 +414,12 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
   if (destination < 0 || destination >= static_cast<int64_t>(destinations.size()))
     refuse(index, "destination " + std::to_string(destination) + " does not exist (" +
                       std::to_string(destinations.size()) + " destinations)");
-  std::vector<Dtype> chain{dtype_from_code(index, head[4])};
+  const Dtype first_dtype = dtype_from_code(index, head[4]);
   const Dtype destination_dtype = dtype_from_code(index, head[5]);
   const int64_t* via = reader.take(index, head[6]);
+  std::vector<Dtype> chain;  // one allocation per copy, not one per step
+  chain.reserve(static_cast<size_t>(head[6]) + 2);
+  chain.push_back(first_dtype);
   for (int64_t k = 0; k < head[6]; ++k) chain.push_back(dtype_from_code(index, via[k]));
   chain.push_back(destination_dtype);
 
@@ -445,6 +475,10 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
     copy.axes.push_back({shape[k], source_strides[k], destination_strides[k]});
   simplify(copy);
   if (copy.tiled) plan_tiles(copy, moves_bytes);
+  if (moves_bytes && !copy.tiled && copy.axes.size() >= 2 &&
+      copy.axes.back().source_stride == copy.source_itemsize &&
+      copy.axes.back().destination_stride == copy.destination_itemsize)
+    copy.row_bytes = copy.axes.back().extent * copy.source_itemsize;
   return copy;
 }
 
@@ -486,8 +520,8 @@ void run_tile(const PreparedCopy& copy, const uint8_t* source, uint8_t* destinat
 }
 
 // A TileFn for an exact transpose: whole blocks of Rows x Columns (inlined), then the
-// edges through rows.
-template <BlockFn Block, int64_t Rows, int64_t Columns>
+// edges through `Edge` (rows, or smaller blocks).
+template <BlockFn Block, int64_t Rows, int64_t Columns, TileFn Edge = &run_tile>
 [[gnu::always_inline]] inline void transposed_tile(const PreparedCopy& copy, const uint8_t* source,
                                                    uint8_t* destination, int64_t row0,
                                                    int64_t row_end, int64_t column0,
@@ -503,9 +537,9 @@ template <BlockFn Block, int64_t Rows, int64_t Columns>
             destination + row * rows.destination_stride + column * columns.destination_stride,
             rows.destination_stride);
   if (block_width < width)
-    run_tile(copy, source, destination, row0, block_rows_end, column0 + block_width,
-             width - block_width);
-  run_tile(copy, source, destination, block_rows_end, row_end, column0, width);
+    Edge(copy, source, destination, row0, block_rows_end, column0 + block_width,
+         width - block_width);
+  Edge(copy, source, destination, block_rows_end, row_end, column0, width);
 }
 
 template <BlockFn Block, int64_t Side>
@@ -515,6 +549,14 @@ void run_transposed_tile(const PreparedCopy& copy, const uint8_t* source, uint8_
 }
 
 #if defined(__x86_64__)
+// What an AVX2 block leaves (a tile narrower or shorter than a block: the 32 x 16 experts
+// of a large MoE fit no 16 x 32 block of 2-byte items) goes through SSE2 blocks.
+template <int64_t Size> constexpr TileFn sse2_tile() {
+  if constexpr (Size == 8) return &run_transposed_tile<&transpose_block_8, 2>;
+  if constexpr (Size == 4) return &run_transposed_tile<&transpose_block_4, 4>;
+  return &run_transposed_tile<&transpose_block_2, 8>;
+}
+
 // The walk over AVX2 blocks, compiled for AVX2 and flattened so that they inline.
 template <int64_t Size, bool Stream>
 AOA_AVX2 [[gnu::flatten]] void run_transposed_tile_avx2(const PreparedCopy& copy,
@@ -522,7 +564,7 @@ AOA_AVX2 [[gnu::flatten]] void run_transposed_tile_avx2(const PreparedCopy& copy
                                                         uint8_t* destination, int64_t row0,
                                                         int64_t row_end, int64_t column0,
                                                         int64_t width) {
-  transposed_tile<&transpose_block_avx2<Size, Stream>, 32 / Size, 64 / Size>(
+  transposed_tile<&transpose_block_avx2<Size, Stream>, 32 / Size, 64 / Size, sse2_tile<Size>()>(
       copy, source, destination, row0, row_end, column0, width);
   if (Stream) _mm_sfence();  // streamed stores are ordered before whatever comes next
 }
@@ -603,6 +645,11 @@ void walk(const PreparedCopy& copy, size_t axis, const uint8_t* source, uint8_t*
           int64_t begin, int64_t end) {
   const size_t loop_axes = copy.axes.size() - (copy.tiled ? 2 : 1);
   const Axis& a = copy.axes[axis];
+  if (copy.row_bytes > 0 && axis + 1 == loop_axes) {  // rows [begin, end) of plain bytes
+    copy_rows(copy.row_bytes, source + begin * a.source_stride, a.source_stride,
+              destination + begin * a.destination_stride, a.destination_stride, end - begin);
+    return;
+  }
   if (axis == loop_axes) {
     if (copy.tiled) {
       run_tiles(copy, source, destination, begin, end);

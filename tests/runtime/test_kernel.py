@@ -150,6 +150,31 @@ def test_large_permuted_copies_match_across_threads(data, threads):
     run_both([copy], sources, [bytes(elements * itemsize(destination_dtype))], threads=threads)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from(["uint8", "bfloat16", "float32", "float64"]),
+       st.integers(1, 3))
+def test_short_contiguous_rows_match_the_reference(data, dtype, threads):
+    """Plain copies of rows contiguous on both sides and strided between them (each row a
+    fixed-size copy where it is 8, 16, 32 or 64 bytes), with outer axes around them."""
+    item = itemsize(dtype)
+    columns = data.draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 24, 32, 64]))
+    outer = tuple(data.draw(st.lists(st.integers(1, 4), max_size=2)))
+    shape = (*outer, data.draw(st.integers(1, 70)), columns)
+    buffers, strides = [], []
+    for _ in range(2):  # source, then destination: rows padded apart, axes maybe permuted
+        row = (columns + data.draw(st.integers(1, 3))) * item
+        extents = [shape[-2], *reversed(outer)]
+        order = data.draw(st.permutations(range(len(extents))))
+        step, placed = row, [0] * len(extents)
+        for k in order:
+            placed[k] = step
+            step *= extents[k]
+        strides.append((*reversed(placed[1:]), placed[0], item))
+        buffers.append(random_bytes(data.draw(st.integers(0, 2**32 - 1)), step))
+    copy = Copy(0, 0, strides[0], 0, 0, strides[1], shape, dtype, dtype)
+    run_both([copy], buffers[:1], buffers[1:], threads=threads)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "uint8"])
 @pytest.mark.parametrize(
     ("shape", "permutation"),

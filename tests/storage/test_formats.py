@@ -84,3 +84,25 @@ def test_output_folder_check(tmp_path: Path) -> None:
     with pytest.raises(StorageError) as caught:
         check_output_folder(tmp_path / "notes.txt", patterns)
     assert caught.value.message == f"{tmp_path / 'notes.txt'}: the output is a file, not a folder"
+
+
+def test_output_folder_check_asks_for_the_patterns_only_when_a_file_is_there(
+        tmp_path: Path) -> None:
+    """Finding every format's patterns imports every format: a new or empty folder (hidden
+    files aside) is fine without them."""
+    asked = []
+
+    def patterns() -> tuple[str, ...]:
+        asked.append(True)
+        return checkpoint_patterns()
+
+    check_output_folder(tmp_path / "new", patterns)
+    (tmp_path / ".aoa-lock").write_text("")
+    check_output_folder(tmp_path, patterns)
+    assert asked == []
+    save(tmp_path / "model.safetensors", {"w": np.zeros(2, np.float32)})
+    with pytest.raises(StorageError) as caught:
+        check_output_folder(tmp_path, patterns)
+    assert asked == [True]
+    assert caught.value.message == (
+        f"{tmp_path}: the output folder already holds a checkpoint (model.safetensors)")

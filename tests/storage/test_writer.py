@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from aoa.errors import StorageError
 from aoa.storage import writer
 from aoa.storage.formats import FileLayout, Piece, ShardSpan, ShardSpans
-from aoa.storage.writer import ALIGNMENT, StagingBuffers, write_file
+from aoa.storage.writer import ALIGNMENT, StagingBuffers, start_file, write_file
 
 
 def pattern(shard: int, itemsize: int, start: int, stop: int) -> bytes:
@@ -101,6 +101,44 @@ def test_every_byte_lands_where_the_layout_says(tmp_path_factory, layout: FileLa
         ranges = handed[span.shard]
         assert ranges[0][0] == 0 and ranges[-1][1] == span.nbytes // span.itemsize
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+@settings(max_examples=30, deadline=None)
+@given(files=st.lists(layouts(), min_size=1, max_size=4),
+       buffer_bytes=st.sampled_from([2 * ALIGNMENT, 3 * ALIGNMENT]))
+def test_files_started_one_after_another_share_the_buffers(tmp_path_factory, files,
+                                                           buffer_bytes: int) -> None:
+    """Each file finishes (last writes, fsync) while the next is filled, through the same
+    buffers: every file's bytes as its layout says once the buffers have finished them."""
+    folder = tmp_path_factory.mktemp("files")
+    with StagingBuffers(2, buffer_bytes) as buffers:
+        for number, layout in enumerate(files):
+            start_file(folder / str(number), layout, Recorder(layout), buffers)
+        assert buffers.finish() == [True] * len(files)
+    for number, layout in enumerate(files):
+        assert (folder / str(number)).read_bytes() == expected(layout)
+
+
+def test_a_failed_fsync_is_raised_once_every_file_is_finished(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    real_fsync = os.fsync
+    synced = []
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        if len(synced) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    layout = small_layout()
+    with pytest.raises(StorageError) as caught, StagingBuffers(2, 2 * ALIGNMENT) as buffers:
+        for name in ("a", "b"):
+            start_file(tmp_path / name, layout, Recorder(layout), buffers)
+        buffers.finish()
+    assert caught.value.message == f"{tmp_path / 'a'}: cannot write: Input/output error"
+    assert len(synced) == 2  # the second file was finished all the same
+    assert (tmp_path / "b").read_bytes() == expected(layout)
 
 
 def test_one_fill_per_buffer(tmp_path: Path) -> None:

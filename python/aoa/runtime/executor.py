@@ -143,7 +143,7 @@ class PlanExecutor:
         table = self._table
         whole = np.flatnonzero(firsts < 0)
         rows, of_piece = table.rows(shards[whole])
-        parts = [table.records.take(rows)]
+        parts = [table.lowered.take(rows)]
         parts[0].table[parts[0].starts[:-1] + DESTINATION] = whole[of_piece]
         cut = np.flatnonzero(firsts >= 0).tolist()
         if cut:

@@ -166,28 +166,32 @@ class Records:
 
 
 class PlanTable:
-    """Every copy of ``plan`` as a kernel record, grouped by destination shard (in plan
-    order within each): buffer numbers are plan indices (sources, and scales, by source
-    shard; destinations by destination shard), offsets from each shard's first byte.
-    ``plan_copies[i]``: the index in ``plan.copies`` of record ``i``."""
+    """Every copy of ``plan`` as a kernel record (``lowered``, in the order they were
+    lowered): buffer numbers are plan indices (sources, and scales, by source shard;
+    destinations by destination shard), offsets from each shard's first byte. By
+    destination shard (in plan order within each), the ``i``-th record is
+    ``lowered`` row ``order[i]``, made from ``plan.copies[plan_copies[i]]``; destination
+    shard ``d``'s are ``firsts[d]`` to ``firsts[d + 1]``. A fill takes its rows straight
+    from ``lowered`` (`rows`): the whole table is never copied into destination order."""
 
     def __init__(self, plan: Plan) -> None:
         if isinstance(plan.copies, CopyTable) and not plan.scales:
-            records, destinations, plan_copies = _lower_blocks(plan, plan.copies)
+            lowered, destinations, plan_copies = _lower_blocks(plan, plan.copies)
         else:
-            records, destinations, plan_copies = _lower_each(plan)
-        order = np.lexsort((plan_copies, destinations))
-        self.records = records.take(order)
-        self.plan_copies = plan_copies[order]
+            lowered, destinations, plan_copies = _lower_each(plan)
+        self.lowered = lowered
+        self.order = np.lexsort((plan_copies, destinations))
+        self.plan_copies = plan_copies[self.order]
         self.firsts = np.zeros(len(plan.destinations) + 1, np.int64)
         np.cumsum(np.bincount(destinations, minlength=len(plan.destinations)),
                   out=self.firsts[1:])
 
     def rows(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The records of destination ``shards`` (in that order) and, for each, the
-        position in ``shards`` of its own."""
+        """The rows of ``lowered`` holding the records of destination ``shards`` (in that
+        order) and, for each, the position in ``shards`` of its own."""
         counts = self.firsts[shards + 1] - self.firsts[shards]
-        return ranges(self.firsts[shards], counts), np.repeat(np.arange(len(shards)), counts)
+        return (self.order[ranges(self.firsts[shards], counts)],
+                np.repeat(np.arange(len(shards)), counts))
 
 
 def _lower_each(plan: Plan) -> tuple[Records, np.ndarray, np.ndarray]:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from aoa.layout import shards_nbytes
 from aoa.plan import Plan
 from aoa.runtime.kernel_table import SOURCE, PlanTable
 
@@ -31,9 +32,11 @@ class SourceReleases:
                  release: Callable[[list[int]], None]) -> None:
         self._table = table
         self._sources = plan.sources
+        #: each source shard's bytes (at least 1: a shard kept counts as held)
+        self._nbytes = np.maximum(np.array(shards_nbytes(plan.sources), np.int64), 1)
         self._destinations = plan.destinations
         self._release = release
-        self._remaining = np.bincount(_read(table, np.arange(len(table.plan_copies))),
+        self._remaining = np.bincount(_read(table, np.arange(len(table.order))),
                                       minlength=len(plan.sources))
         self._held = np.zeros(len(plan.sources), np.int64)  # bytes kept of each, 0: none
         self._held_bytes = 0
@@ -60,7 +63,7 @@ class SourceReleases:
         dropped = read[done]
         kept = read[~done]
         new = kept[self._held[kept] == 0]
-        self._held[new] = [self._sources[index].nbytes or 1 for index in new.tolist()]
+        self._held[new] = self._nbytes[new]
         self._held_bytes += int(self._held[new].sum()) - int(self._held[dropped].sum())
         self._held[dropped] = 0
         if self._held_bytes > HELD_BYTES:
@@ -72,8 +75,9 @@ class SourceReleases:
 
 
 def _read(table: PlanTable, rows: np.ndarray) -> np.ndarray:
-    """The source shards (and scales) records ``rows`` read, once per record."""
-    records = table.records
+    """The source shards (and scales) records ``rows`` (of ``table.lowered``) read, once
+    per record."""
+    records = table.lowered
     scales = records.scales[rows]
     return np.concatenate([records.table[records.starts[rows] + SOURCE],
                            records.table[scales[scales >= 0]]])

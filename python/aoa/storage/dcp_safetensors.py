@@ -10,6 +10,7 @@ folder reader (`aoa.storage.safetensors_folder`).
 
 from __future__ import annotations
 
+import json
 import json.encoder
 import operator
 from collections.abc import Sequence
@@ -54,12 +55,14 @@ class DcpSafetensorsDestination(Destination):
         keys = list(map(_KEY, shards))
         key_texts = list(map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
                              keys))
-        metadata = {SHARDING_KEY: sharding_info(shards, key_texts), **_DCP_VERSION}
+        info = sharding_info(shards, key_texts)
+        metadata = {SHARDING_KEY: info, **_DCP_VERSION}
         # keys below DEL read the same ASCII-escaped or not: the header takes their texts
         joined = "".join(keys)
         same = joined.isascii() and "\x7f" not in joined
         return file_layout(shards, file.shards, self.folder / file.filename, metadata,
-                           key_texts=key_texts if same else None)
+                           keys=keys, key_texts=key_texts if same else None,
+                           metadata_json=_metadata_json(info))
 
 
 def sharding_info(shards: Sequence[ShardDesc], key_texts: Sequence[str] | None = None) -> str:
@@ -71,9 +74,22 @@ def sharding_info(shards: Sequence[ShardDesc], key_texts: Sequence[str] | None =
         key_texts = list(map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
                              map(_KEY, shards)))
     offsets = list(map(_GLOBAL_OFFSET, shards))
-    value = {offset: f': {{"{OFFSETS_KEY}": [{", ".join(map(str, offset))}]}}'
+    value = {offset: f': {{"{OFFSETS_KEY}": [{", ".join(map(str, offset))}]}}, '
              for offset in set(offsets)}
-    return "{" + ", ".join(map(operator.add, key_texts, map(value.__getitem__, offsets))) + "}"
+    parts = ["{"] * (2 * len(offsets) + 1)  # "{", then each key and its value
+    parts[1::2] = key_texts
+    parts[2::2] = map(value.__getitem__, offsets)
+    return "".join(parts)[:-2] + "}" if offsets else "{}"
+
+
+def _metadata_json(info: str) -> str:
+    """What ``json.dumps`` (compact, not ASCII-escaped) makes of the file's metadata, the
+    sharding info ``info`` escaped without a pass to find what needs it: being ASCII-escaped
+    JSON, it holds no control character and nothing beyond ASCII, only quotes and
+    backslashes to escape."""
+    escaped = info.replace("\\", "\\\\").replace('"', '\\"')
+    return (f'{{"{SHARDING_KEY}":"{escaped}",'
+            + json.dumps(_DCP_VERSION, separators=(",", ":"))[1:])
 
 
 _KEY = operator.attrgetter("key")

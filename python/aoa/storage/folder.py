@@ -38,7 +38,7 @@ import shutil
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,14 +89,21 @@ def output_folder(folder: str | os.PathLike[str]) -> tuple[Path, list[Path]]:
     return folder, made
 
 
-def check_output_folder(folder: Path, patterns: Sequence[str]) -> None:
+def check_output_folder(folder: Path,
+                        patterns: Sequence[str] | Callable[[], Sequence[str]]) -> None:
     """Refuse an output that is a file, or a folder holding files named like a checkpoint's
-    (``patterns``: globs of every format's files), other than hidden ones: files of two runs
-    would mix."""
+    (``patterns``: globs of every format's files, or what gives them, asked only where the
+    folder holds a file that is not hidden: finding them imports every format), other than
+    hidden ones: files of two runs would mix."""
     if folder.exists() and not folder.is_dir():
         raise StorageError(f"{folder}: the output is a file, not a folder")
     if not folder.is_dir():
         return
+    with os.scandir(folder) as entries:
+        if all(entry.name.startswith(".") for entry in entries):
+            return
+    if callable(patterns):
+        patterns = patterns()
     found = sorted({path.name for pattern in patterns for path in folder.glob(pattern)
                     if not path.name.startswith(".")})
     if found:
@@ -110,10 +117,12 @@ class OutputFolder:
     staging), `stage` each file, then `publish` (one process) or leave them for rank 0, and
     `release` (a failure: `abort`)."""
 
-    def __init__(self, folder: str | os.PathLike[str], patterns: Sequence[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str],
+                 patterns: Sequence[str] | Callable[[], Sequence[str]]) -> None:
         self.folder = Path(folder)
         self.staging = self.folder / STAGING_NAME
-        self.patterns = tuple(patterns)
+        #: what `check_output_folder` refuses (or what gives it, asked when needed)
+        self.patterns = patterns if callable(patterns) else tuple(patterns)
         self.sharing: Sharing | None = None
         self.published = False
         self._lock: int | None = None

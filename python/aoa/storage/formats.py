@@ -96,6 +96,7 @@ FORMAT_NAMES = tuple(FORMAT_MODULES)
 DEFAULT_MAX_FILE_BYTES = 5 * 10**9
 
 Location = TypeVar("Location")
+_DTYPE = operator.attrgetter("dtype")
 
 
 class StoredShards(NamedTuple):
@@ -282,8 +283,9 @@ class Destination(ABC):
                  objects: Mapping[str, bytes] | None = None, *, direct: bool = True) -> None:
         self.folder = Path(folder)
         #: dtype None reads as float32, as in Paddle
-        self.shards = [shard if shard.dtype else dataclasses.replace(shard, dtype="float32")
-                       for shard in shards]
+        self.shards = (list(shards) if all(set(map(_DTYPE, shards))) else
+                       [shard if shard.dtype else dataclasses.replace(shard, dtype="float32")
+                        for shard in shards])
         self.files = list(files)
         self.extras = dict(extras or {})
         #: items that are not tensors, written as these bytes where the format holds such
@@ -293,7 +295,7 @@ class Destination(ABC):
         self.direct = direct
         #: what a person should know about the write (said once): a refused O_DIRECT
         self.notes: list[str] = []
-        self.output = OutputFolder(self.folder, checkpoint_patterns())
+        self.output = OutputFolder(self.folder, checkpoint_patterns)
 
     # -- what a format says ----------------------------------------------------------------
 
@@ -334,19 +336,28 @@ class Destination(ABC):
             with StagingBuffers() as buffers:
                 for file in chosen:
                     self.write_file(self.output.stage(file.filename), file, fill, buffers)
+                if not all(buffers.finish()):
+                    self._refused()
         except BaseException:
             self.output.abort()
             raise
         return [self.folder / file.filename for file in chosen]
 
     def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object) -> None:
-        """Write ``file`` at ``path`` (in the staging folder) as `layout` says."""
-        from aoa.storage.writer import StagingBuffers, write_file
+        """Write ``file`` at ``path`` (in the staging folder) as `layout` says: every byte
+        handed to the writers when this returns, the file finishing (fsync) while the next
+        one is filled; ``write`` waits for them all."""
+        from aoa.storage.writer import StagingBuffers, start_file
 
         assert isinstance(buffers, StagingBuffers)
-        direct = write_file(path, self.layout(file), fill, buffers, direct=self.direct)
-        if self.direct and not direct:
-            self.direct = False  # no use asking again
+        started = start_file(path, self.layout(file), fill, buffers, direct=self.direct)
+        if not started.direct:
+            self._refused()
+
+    def _refused(self) -> None:
+        """The file system refused direct I/O: no use asking again; said once."""
+        if self.direct:
+            self.direct = False
             self.notes.append(f"{self.folder}: the file system refuses direct I/O (O_DIRECT); "
                               "wrote through the page cache")
 

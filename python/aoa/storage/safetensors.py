@@ -473,7 +473,8 @@ def _unmap(mapping: mmap.mmap) -> None:
 def header_bytes(tensors: Sequence[ShardDesc], metadata: dict[str, str] | None) -> bytes:
     """Length prefix and JSON header for ``tensors`` stored back to back in the given order,
     padded with spaces to a multiple of 8 bytes as the reference implementation does."""
-    return _header(_columns(tensors, list(map(_KEY, tensors))), metadata)
+    keys = list(map(_KEY, tensors))
+    return _header(_columns(tensors, keys, kinds=shard_kinds(tensors)), metadata)
 
 
 class _Columns(NamedTuple):
@@ -488,15 +489,17 @@ class _Columns(NamedTuple):
 
 
 def _columns(tensors: Sequence[ShardDesc], keys: list[str],
-             key_texts: Sequence[str] | None = None) -> _Columns:
+             key_texts: Sequence[str] | None = None, *,
+             kinds: tuple[list[int], dict[int, tuple[str | None, tuple[int, ...]]]]
+             ) -> _Columns:
     """`_Columns` of ``tensors`` (``keys``, and their JSON text where the caller has it),
-    all that depends only on dtype and shape worked out once per `shard_kinds` kind: a file
-    of 30k shards of a few dozen shapes in milliseconds."""
+    all that depends only on dtype and shape worked out once per `shard_kinds` kind
+    (``kinds``): a file of 30k shards of a few dozen shapes in milliseconds."""
     if key_texts is None:
         key_texts = list(map(json.encoder.encode_basestring, keys))  # type: ignore[attr-defined]
-    numbers, kinds = shard_kinds(tensors)
+    numbers, kinds_by_number = kinds
     sizes, itemsizes, middles = {}, {}, {}
-    for number, (dtype, shape) in kinds.items():
+    for number, (dtype, shape) in kinds_by_number.items():
         itemsizes[number] = ITEMSIZES[dtype]  # type: ignore[index]
         sizes[number] = math.prod(shape) * itemsizes[number]
         middles[number] = (f':{{"dtype":"{SAFETENSORS_NAMES[dtype]}",'  # type: ignore[index]
@@ -506,16 +509,24 @@ def _columns(tensors: Sequence[ShardDesc], keys: list[str],
                     list(map(middles.__getitem__, numbers)))
 
 
-def _header(columns: _Columns, metadata: dict[str, str] | None) -> bytes:
+def _header(columns: _Columns, metadata: dict[str, str] | None,
+            metadata_json: str | None = None) -> bytes:
     """`header_bytes` of tensors given as columns. The text is what ``json.dumps`` makes of
     the header object (compact separators, not ASCII-escaped), put together column by
-    column in one join: many times faster than building the object and dumping it."""
+    column in one join: many times faster than building the object and dumping it.
+    ``metadata_json``: the metadata as that text, where the caller made it."""
     offsets = list(map(str, itertools.accumulate(columns.sizes, initial=0)))
-    entries = "".join(itertools.chain.from_iterable(zip(
-        columns.key_texts, columns.middles, offsets[:-1], itertools.repeat(","),
-        offsets[1:], itertools.repeat("]},"))))[:-1]
-    metadata_text = (f'"{_METADATA_KEY}":' + json.dumps(metadata, separators=(",", ":"),
-                                                      ensure_ascii=False)) if metadata else ""
+    count = len(offsets) - 1
+    parts = [","] * (6 * count)  # key, middle, begin "," end "]},", entry after entry
+    parts[0::6] = columns.key_texts
+    parts[1::6] = columns.middles
+    parts[2::6] = offsets[:-1]
+    parts[4::6] = offsets[1:]
+    parts[5::6] = ["]},"] * count
+    entries = "".join(parts)[:-1]
+    if metadata and metadata_json is None:
+        metadata_json = json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)
+    metadata_text = f'"{_METADATA_KEY}":{metadata_json}' if metadata else ""
     text = ("{" + ",".join(part for part in (metadata_text, entries) if part) + "}"
             ).encode("utf-8")
     text += b" " * (-len(text) % 8)
@@ -523,15 +534,19 @@ def _header(columns: _Columns, metadata: dict[str, str] | None) -> bytes:
 
 
 def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path,
-                metadata: dict[str, str] | None = None, *,
-                key_texts: Sequence[str] | None = None) -> FileLayout:
+                metadata: dict[str, str] | None = None, *, keys: list[str] | None = None,
+                key_texts: Sequence[str] | None = None, metadata_json: str | None = None
+                ) -> FileLayout:
     """A destination's safetensors file: the header, then ``tensors`` (destination shards
-    ``indices``) back to back, in this order, each under its key; ``key_texts``: each key
-    as JSON text (``json.dumps`` of it, not ASCII-escaped), where the caller has them."""
-    keys = list(map(_KEY, tensors))
-    _check_specs(path, tensors, keys, metadata)
-    columns = _columns(tensors, keys, key_texts)
-    header = _header(columns, metadata)
+    ``indices``) back to back, in this order, each under its key. Where the caller has
+    them: ``keys``; ``key_texts``, each key as JSON text (``json.dumps`` of it, not
+    ASCII-escaped); ``metadata_json``, the metadata as that text."""
+    if keys is None:
+        keys = list(map(_KEY, tensors))
+    kinds = shard_kinds(tensors)
+    _check_specs(path, tensors, keys, metadata, kinds[1])
+    columns = _columns(tensors, keys, key_texts, kinds=kinds)
+    header = _header(columns, metadata, metadata_json)
     offsets = list(itertools.accumulate(columns.sizes, initial=len(header)))
     size = offsets.pop()
     return FileLayout(size, [(0, header)],
@@ -543,10 +558,15 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def _check_specs(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
-                 metadata: dict[str, str] | None) -> None:
+                 metadata: dict[str, str] | None,
+                 kinds: dict[int, tuple[str | None, tuple[int, ...]]] | None = None) -> None:
+    """Keys once each, none reserved, dtypes safetensors has (``kinds``: the tensors'
+    `shard_kinds`, where the caller has them), metadata of strings."""
     unique = set(keys)
+    dtypes = (set(map(_DTYPE, tensors)) if kinds is None
+              else {dtype for dtype, _ in kinds.values()})
     if (len(unique) < len(keys) or _METADATA_KEY in unique
-            or not SAFETENSORS_NAMES.keys() >= set(map(_DTYPE, tensors))):
+            or not SAFETENSORS_NAMES.keys() >= dtypes):
         _check_each_spec(path, tensors)
     if metadata is not None and not all(
         isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
@@ -584,8 +604,9 @@ class SafetensorsWriter:
         self.path = Path(path)
         self.partial = partial_path(self.path)
         keys = list(map(_KEY, tensors))
-        _check_specs(self.path, tensors, keys, metadata)
-        columns = _columns(tensors, keys)
+        kinds = shard_kinds(tensors)
+        _check_specs(self.path, tensors, keys, metadata, kinds[1])
+        columns = _columns(tensors, keys, kinds=kinds)
         header = _header(columns, metadata)
         self._ranges: dict[str, tuple[int, int]] = {}
         offset = len(header)

@@ -17,6 +17,11 @@ is fsynced; `write_file` says which way it wrote.
 
 The file's blocks are reserved before a byte is written, so a full disk is an error before
 anything is copied rather than halfway through.
+
+Files of one write go one after the other through the same buffers (`start_file`): once a
+file's last buffer is handed to the writers, its last writes, its truncation and its fsync
+finish in the background while the next file is laid out and filled, so the disk does not
+wait for the filling, nor the filling for the disk, at each file's end.
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class StagingBuffers:
-    """The aligned buffers of a write, reused from file to file (allocated on first use)."""
+    """The aligned buffers of a write, shared by its files one after the other (allocated
+    on first use), and the files still finishing in the background (`start_file`): leaving
+    the ``with`` block waits for them."""
 
     def __init__(self, count: int | None = None, nbytes: int | None = None) -> None:
         count = BUFFERS if count is None else count
@@ -61,17 +68,35 @@ class StagingBuffers:
         self.count = count
         self.nbytes = nbytes
         self._buffers: list[mmap.mmap] = []
+        #: the buffers no write holds, whichever file they last held
+        self.free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        #: the files started and not yet waited for (`start_file`)
+        self.finishing: list[FileWrite] = []
 
-    def all(self) -> list[mmap.mmap]:
+    def take(self) -> mmap.mmap:
+        """A free buffer: waits for a write to hand one back."""
         if not self._buffers:
             self._buffers = [mmap.mmap(-1, self.nbytes) for _ in range(self.count)]
-        return self._buffers
+            for buffer in self._buffers:
+                self.free.put(buffer)
+        return self.free.get()
+
+    def finish(self) -> list[bool]:
+        """Wait for every file still finishing; whether each went around the page cache, in
+        the order they were started. Raises the first failure (after waiting for all)."""
+        for file in self.finishing:  # all of them, before any failure is raised
+            file.wait()
+        finishing, self.finishing = self.finishing, []
+        return [file.result() for file in finishing]
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.finish()
         for buffer in self._buffers:
             with contextlib.suppress(BufferError):
                 buffer.close()
         self._buffers = []
+        self.free = queue.SimpleQueue()
 
     def __enter__(self) -> StagingBuffers:
         return self
@@ -85,32 +110,91 @@ def write_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffe
     """Write ``path`` as ``layout`` says, the shards' bytes from ``fill``, and fsync it.
     Returns whether it went around the page cache (direct I/O). A failure raises; the
     caller removes the file."""
+    return start_file(path, layout, fill, buffers, direct=direct).result()
+
+
+class FileWrite:
+    """A file whose bytes are all with the writers: its last writes, truncation and fsync
+    run on a thread of their own. `result` waits and says whether the file went around the
+    page cache; a failure raises there."""
+
+    def __init__(self, path: Path, fd: int, size: int, writes: _Writes) -> None:
+        self.path = path
+        self._fd = fd
+        self._size = size
+        self._writes = writes
+        self._direct = writes.direct
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._finish, name="aoa-finish", daemon=True)
+        self._thread.start()
+
+    @property
+    def direct(self) -> bool:
+        """Whether the file goes around the page cache, as far as is known yet."""
+        return self._writes.direct
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> bool:
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._direct
+
+    def _finish(self) -> None:
+        try:
+            try:
+                self._writes.finish()
+                self._direct = self._writes.direct
+                os.ftruncate(self._fd, self._size)  # the last block's padding
+                os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+        except OSError as error:
+            self._error = StorageError(f"{self.path}: cannot write: {error.strerror}")
+            self._error.__cause__ = error
+        except BaseException as error:  # said by `result`
+            self._error = error
+
+
+def start_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffers, *,
+               direct: bool = True) -> FileWrite:
+    """Lay ``path`` out in staging buffers as ``layout`` says, the shards' bytes from
+    ``fill``, and hand them all to the writers; the file then finishes (last writes, fsync)
+    in the background while the caller goes on to the next file: `FileWrite.result`, or
+    ``buffers.finish()`` for every file started, waits for it. A failure before the hand-over
+    raises here, having waited for the file's writes in flight; the caller removes the file."""
     fixed, spans = _items(path, layout)
     fd, direct = _open(path, direct)
     try:
         _reserve(fd, path, layout.size)
-        with _Writes(fd, path, direct, buffers) as writes:
-            stream = _Stream(writes, fill)
-            done = 0
-            for offset, data in fixed:
-                before = int(np.searchsorted(spans.offsets, offset))
-                stream.shards(spans.part(done, before))
-                done = before
-                stream.zeros(offset - stream.position)
-                stream.put(data)
-            stream.shards(spans.part(done, len(spans.offsets)))
-            stream.zeros(layout.size - stream.position)
-            stream.flush(last=True)
-            writes.finish()
-            direct = writes.direct
-        try:
-            os.ftruncate(fd, layout.size)  # the last block's padding
-            os.fsync(fd)
-        except OSError as error:
-            raise StorageError(f"{path}: cannot write: {error.strerror}") from error
-    finally:
+        writes = _Writes(fd, path, direct, buffers)
+    except BaseException:
         os.close(fd)
-    return direct
+        raise
+    stream: _Stream | None = None
+    try:
+        stream = _Stream(writes, fill)
+        done = 0
+        for offset, data in fixed:
+            before = int(np.searchsorted(spans.offsets, offset))
+            stream.shards(spans.part(done, before))
+            done = before
+            stream.zeros(offset - stream.position)
+            stream.put(data)
+        stream.shards(spans.part(done, len(spans.offsets)))
+        stream.zeros(layout.size - stream.position)
+        stream.flush(last=True)
+    except BaseException:
+        if stream is not None:
+            stream.abandon()
+        writes.stop()  # a failure or an interrupt: wait for the writes in flight
+        os.close(fd)
+        raise
+    started = FileWrite(path, fd, layout.size, writes)
+    buffers.finishing.append(started)
+    return started
 
 
 class _Spans(NamedTuple):
@@ -194,6 +278,7 @@ class _Stream:
         self._writes = writes
         self._fill = fill
         self._buffer = writes.take()
+        self._held = True  # whether the buffer is this stream's, not yet handed to the writers
         self._capacity = len(self._buffer)
         self._start = 0  # file offset of the buffer's first byte (aligned)
         self._used = 0  # bytes placed in the buffer
@@ -277,16 +362,28 @@ class _Stream:
         if last:
             aligned = -(-end // ALIGNMENT) * ALIGNMENT
             _zero(self._buffer, end, aligned - end)
+            self._held = False
             if aligned:
                 self._writes.submit(self._buffer, self._start, aligned)
+            else:
+                self._writes.give_back(self._buffer)
             return
         aligned = end - end % ALIGNMENT
         tail = bytes(self._buffer[aligned:end])
+        self._held = False
         self._writes.submit(self._buffer, self._start, aligned)
         self._buffer = self._writes.take()
+        self._held = True
         self._buffer[:len(tail)] = tail
         self._start += aligned
         self._used = len(tail)
+
+
+    def abandon(self) -> None:
+        """After a failure: the buffer being placed goes back to the free ones."""
+        if self._held:
+            self._held = False
+            self._writes.give_back(self._buffer)
 
 
 def _zero(buffer: mmap.mmap, start: int, count: int) -> None:
@@ -301,10 +398,7 @@ class _Writes:
         self.fd = fd
         self.path = path
         self.direct = direct
-        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-        for buffer in buffers.all():
-            self._free.put(buffer)
-        self._count = buffers.count
+        self._buffers = buffers
         self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
         self._error: Exception | None = None
         self._switch = threading.Lock()
@@ -315,17 +409,25 @@ class _Writes:
 
     def take(self) -> mmap.mmap:
         """A free buffer (waits for a write to finish); raises what a write raised."""
-        buffer = self._free.get()
-        self._check()
+        buffer = self._buffers.take()
+        if self._error is not None:
+            self._buffers.free.put(buffer)
+            self._check()
         return buffer
 
     def submit(self, buffer: mmap.mmap, offset: int, length: int) -> None:
-        self._check()
+        if self._error is not None:
+            self.give_back(buffer)
+            self._check()
         self._todo.put((buffer, offset, length))
+
+    def give_back(self, buffer: mmap.mmap) -> None:
+        """Return a buffer taken and not written (nothing to write, or a failure)."""
+        self._buffers.free.put(buffer)
 
     def finish(self) -> None:
         """Wait for every write; raise what one raised."""
-        self._stop()
+        self.stop()
         self._check()
 
     def _check(self) -> None:
@@ -345,7 +447,7 @@ class _Writes:
                     self._write(buffer, offset, length)
                 except Exception as error:  # said by the filling thread, at its next step
                     self._error = error
-            self._free.put(buffer)
+            self._buffers.free.put(buffer)
 
     def _write(self, buffer: mmap.mmap, offset: int, length: int) -> None:
         view = memoryview(buffer)[:length]
@@ -371,18 +473,13 @@ class _Writes:
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
                 self.direct = False
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Wait for the writes handed over; stop the writer threads."""
         for _ in self._threads:
             self._todo.put(None)
         for thread in self._threads:
             thread.join()
         self._threads = []
-
-    def __enter__(self) -> _Writes:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop()  # a failure or an interrupt: wait for the writes in flight
 
 
 def _open(path: Path, direct: bool) -> tuple[int, bool]:
