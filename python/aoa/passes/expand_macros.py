@@ -98,6 +98,14 @@ def _names(statement: Statement) -> tuple[Name, ...]:
     return statement.left + statement.right
 
 
+def _with_id(name: Name, placeholder: str, number: str) -> Name:
+    """``name`` in the instance where ``placeholder`` is ``number``."""
+    text = name.text
+    if placeholder not in text:
+        return name
+    return Name(text.replace(placeholder, number), name.span, name.array)
+
+
 def _id_format(text: str, placeholders: tuple[str, ...]) -> str | None:
     """A name with $LAYER_ID / $EXPERT_ID as a format string, so each of a template's
     thousands of instances costs one `format_map` (None: the name has no placeholder)."""
@@ -258,9 +266,16 @@ class _Expander:
                      "ids that go together as separate templates.")
         if not instances:
             self.expands_to_nothing(pattern, *found)
+        attributes, span = statement.attributes, statement.span
+        origin = Origin("id", statement)  # one for all instances: they share their parent
         if len(ordered) == 1:
             (placeholder,) = ordered
             numbers = list(map(str, sorted(values[placeholder])))
+            if len(statement.left) == 1 and len(statement.right) == 1:  # the usual: a rename
+                (source,), (target,) = statement.left, statement.right
+                return [Statement((_with_id(source, placeholder, number),),
+                                  (_with_id(target, placeholder, number),),
+                                  attributes, span, origin) for number in numbers]
 
             def column(name: Name) -> list[Name]:
                 """The name in every instance, one template name at a time."""
@@ -285,8 +300,6 @@ class _Expander:
         # both sides hold a name at least (the grammar's), so zip makes every instance
         lefts = zip(*map(column, statement.left))
         rights = zip(*map(column, statement.right))
-        attributes, span = statement.attributes, statement.span
-        origin = Origin("id", statement)  # one for all instances: they share their parent
         return [Statement(left, right, attributes, span, origin)
                 for left, right in zip(lefts, rights)]
 
