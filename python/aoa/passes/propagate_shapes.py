@@ -148,8 +148,10 @@ class _Machine:
                              f"{len(right)} equal parts along axis {axis}", statement.span,
                              statement, hint=f"The size {source.shape[axis]} must be a "
                                              f"multiple of {len(right)}.")
-            self.check_pieces(symbolic.split_pieces(source.piece_map, axis, len(right)),
-                              statement)
+            # a piece meets each part at most: counted only where that bound is too high
+            if len(source.piece_map.pieces) * len(right) > MAX_PIECES:
+                self.check_pieces(symbolic.split_pieces(source.piece_map, axis, len(right)),
+                                  statement)
             for name, part in zip(right, split(source, axis, len(right))):
                 self.bind(name, part, statement)
             return
