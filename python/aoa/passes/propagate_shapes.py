@@ -78,6 +78,9 @@ class _Machine:
         self.state = SymbolicTensors(program, self.inputs, {})
         self.bound = self.state.bound
         self.destination_keys = ctx.destination_keys
+        #: (permute= text, rank) -> the permutation it makes (a transpose per layer and
+        #: matrix asks the same one, mostly `permute="[]"` of `^T`)
+        self.permutes: dict[tuple[str, int], Permute] = {}
 
     def ref(self, name: Name, statement: Statement) -> Tensor:
         tensor = self.bound.get(name.text) or self.inputs.get(name.text)
@@ -293,6 +296,14 @@ class _Machine:
     def permutation(self, attribute: Attribute, source: Tensor, statement) -> Permute:
         rank = len(source.shape)
         text = str(attribute.value)
+        permute = self.permutes.get((text, rank))
+        if permute is None:
+            permute = self.permutes[text, rank] = self._permutation(text, rank, source,
+                                                                    attribute, statement)
+        return permute
+
+    def _permutation(self, text: str, rank: int, source: Tensor, attribute: Attribute,
+                     statement: Statement) -> Permute:
         if text == "[]":
             axes = tuple(range(rank - 1, -1, -1))
             return Permute(axes, str(list(axes)))
