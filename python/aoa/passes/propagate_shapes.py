@@ -393,6 +393,16 @@ def share_outputs(state: SymbolicTensors, shared: Sequence[SharedInstances],
     outputs, writers, destination_keys = state.outputs, state.writers, ctx.destination_keys
     for group in shared:
         kept = group.kept
+        if len(kept.left) == 1 and len(kept.right) == 1:  # a rename (maybe a cast, a ^T)
+            tensor = outputs.get(kept.right[0].text)
+            if tensor is not None and tensor.keys == (kept.left[0].base,):
+                for statement, own_reads in group.followers:
+                    own_key = statement.right[0].text
+                    if own_key in destination_keys:
+                        outputs[own_key] = Tensor(tensor.piece_map, own_reads, tensor.dtype,
+                                                  name=own_key)
+                        writers[own_key] = statement
+                continue
         reads = [n.base for n in kept.left]
         # (position of a write, its tensor, the read each slot of it comes from: a
         # position in the reads, or past them one in the key itself, kept as it is)
