@@ -7,6 +7,7 @@ ones; error and refuse cases must raise an AoaError."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import aoa
-from aoa.compat.paddle import AOAEngine
+from aoa.compat.paddle import AOAEngine, ShardMappingEntry
 from aoa.dtypes import numpy_dtype
 from aoa.runtime import reference
 
@@ -103,6 +104,17 @@ def test_paddle_engine_answers_from_the_plan_as_when_asked(name):
         planned = engine.find_shard_sources(aoa.ShardDesc.from_json(query))
         assert engine.find_shard_sources(_ListBoxes(query)) == planned, query
         assert engine.find_shard_sources(aoa.ShardDesc.from_json(query)) == planned
+        for entry in planned:  # made field by field, they are what their constructors make
+            assert type(entry) is ShardMappingEntry and type(entry.postprocess_list) in (
+                list, type(None))
+            remade = ShardMappingEntry(
+                *(aoa.ShardDesc(**dataclasses.asdict(shard))
+                  for shard in (entry.target_slice, entry.source_slice)),
+                entry.postprocess_list)
+            assert remade == entry and repr(remade) == repr(entry)
+            assert hash(entry.source_slice) == hash(remade.source_slice)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                entry.source_slice.key = "x"  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("name", CASES)

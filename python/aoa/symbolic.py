@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import lt
+from operator import le, lt
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
@@ -228,6 +228,13 @@ def intersect(piece_map: PieceMap, lo: Box, hi: Box) -> list[Entry]:
     for p in piece_map.pieces:
         # most pieces of a big map lie outside the box: told apart before any tuple is made
         if not (all(map(lt, lo, p.target_hi)) and all(map(lt, p.target_lo, hi))):
+            continue
+        if (all(map(le, lo, p.target_lo)) and all(map(le, p.target_hi, hi))
+                and all(map(lt, p.target_lo, p.target_hi))):
+            # all of a piece inside the box: its own boxes (a source box is its target
+            # box's shape in the source's axes)
+            result.append(_new_tuple(Entry, (p.slot, p.target_lo, p.target_hi, p.source_lo,
+                                             p.source_hi, p.ops, p.order)))
             continue
         i_lo = tuple(map(max, lo, p.target_lo))
         i_hi = tuple(map(min, hi, p.target_hi))

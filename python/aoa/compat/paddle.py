@@ -35,11 +35,30 @@ class ShardMappingEntry:
     postprocess_list: list[str] | None = None
 
 
-_unchecked = ShardDesc.unchecked
+class _ShardFields:
+    """ShardDesc's slots in a plain class. An answer's descriptors are filled with plain
+    stores, then become ShardDescs (the same layout: their class is assigned), at a third
+    of the cost of setting a frozen dataclass's fields through their descriptors, a call
+    each; answers make them by the hundred thousand."""
+
+    __slots__ = ShardDesc.__slots__
+    key: str
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    dtype: str | None
+
+
+class _EntryFields:
+    """ShardMappingEntry's slots in a plain class, for the same reason."""
+
+    __slots__ = ShardMappingEntry.__slots__  # type: ignore[attr-defined]
+    target_slice: ShardDesc
+    source_slice: ShardDesc
+    postprocess_list: list[str] | None
+
+
 _new_object = object.__new__
-_set_target, _set_source, _set_postprocess = (
-    getattr(ShardMappingEntry, name).__set__
-    for name in ("target_slice", "source_slice", "postprocess_list"))
 
 
 class AOAEngine:
@@ -114,27 +133,21 @@ class AOAEngine:
         if forms is None:
             return []
         form = forms[position]
-        unchecked = _unchecked
         source = self.source
         if len(form) == 1:  # the one piece of a planned shard covers all of it
             slot, _, _, source_lo, source_size, steps = form[0]
             source_key = read_keys[slot]
             read = source[source_key][0]
-            entry = _new_object(ShardMappingEntry)
-            _set_target(entry, shard)
-            _set_source(entry, unchecked(source_key, source_size, read.global_shape, source_lo,
-                                         read.dtype))
-            _set_postprocess(entry, None if steps is None else list(steps))
-            return [entry]
+            return [_entry(shard, _shard(source_key, source_size, read.global_shape, source_lo,
+                                         read.dtype), steps)]
         result = []
         key, global_shape, dtype = shard.key, shard.global_shape, shard.dtype
         for slot, target_lo, target_size, source_lo, source_size, steps in form:
             source_key = read_keys[slot]
             read = source[source_key][0]
-            result.append(_mapping_entry(
-                unchecked(key, target_size, global_shape, target_lo, dtype),
-                unchecked(source_key, source_size, read.global_shape, source_lo, read.dtype),
-                None if steps is None else list(steps)))
+            result.append(_entry(_shard(key, target_size, global_shape, target_lo, dtype),
+                                 _shard(source_key, source_size, read.global_shape, source_lo,
+                                        read.dtype), steps))
         return result
 
     def _form(self, answer: Sequence[Entry]) -> list[_EntryForm]:
@@ -152,13 +165,12 @@ class AOAEngine:
         result = []
         for source_key, entry in answer:
             read = self.source[source_key][0]
-            steps = self._postprocess_steps(entry.ops)
-            result.append(_mapping_entry(
-                ShardDesc.unchecked(target.key, tuple(map(sub, entry.target_hi, entry.target_lo)),
-                                    target.global_shape, entry.target_lo, target.dtype),
-                ShardDesc.unchecked(source_key, tuple(map(sub, entry.source_hi, entry.source_lo)),
-                                    read.global_shape, entry.source_lo, read.dtype),
-                None if steps is None else list(steps)))
+            result.append(_entry(
+                _shard(target.key, tuple(map(sub, entry.target_hi, entry.target_lo)),
+                       target.global_shape, entry.target_lo, target.dtype),
+                _shard(source_key, tuple(map(sub, entry.source_hi, entry.source_lo)),
+                       read.global_shape, entry.source_lo, read.dtype),
+                self._postprocess_steps(entry.ops)))
         return result
 
     def _postprocess_steps(self, ops: tuple[Op, ...]) -> tuple[str, ...] | None:
@@ -173,11 +185,22 @@ class AOAEngine:
         return steps
 
 
-def _mapping_entry(target: ShardDesc, source: ShardDesc, postprocess: list[str] | None
-                   ) -> ShardMappingEntry:
-    """A ShardMappingEntry made without the dataclass's checks of frozen fields."""
-    entry = _new_object(ShardMappingEntry)
-    _set_target(entry, target)
-    _set_source(entry, source)
-    _set_postprocess(entry, postprocess)
-    return entry
+def _shard(key: str, local_shape: tuple[int, ...], global_shape: tuple[int, ...],
+           global_offset: tuple[int, ...], dtype: str | None) -> ShardDesc:
+    """A ShardDesc of parts of checked ones (a box inside a checked shard, of its key and
+    dtype), so not checked again."""
+    shard = _new_object(_ShardFields)
+    shard.key, shard.local_shape, shard.global_shape = key, local_shape, global_shape
+    shard.global_offset, shard.dtype = global_offset, dtype
+    shard.__class__ = ShardDesc  # type: ignore[assignment]
+    return shard  # type: ignore[return-value]
+
+
+def _entry(target: ShardDesc, source: ShardDesc, steps: tuple[str, ...] | None
+           ) -> ShardMappingEntry:
+    """A ShardMappingEntry, its postprocess list a new list of ``steps`` (None: none)."""
+    entry = _new_object(_EntryFields)
+    entry.target_slice, entry.source_slice = target, source
+    entry.postprocess_list = None if steps is None else list(steps)
+    entry.__class__ = ShardMappingEntry  # type: ignore[assignment]
+    return entry  # type: ignore[return-value]

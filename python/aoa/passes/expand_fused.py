@@ -119,15 +119,15 @@ class _Fuser:
     def expand(self, index: int, statement: Statement) -> list[Statement]:
         self.index = index
         for name in statement.right:
-            if name.transposed:
+            if name.text.endswith("^T"):
                 raise MacroError(
                     f"cannot assign to the transposed view '{name.text}'", name.span,
                     hint=f"Assign first (`... -> {name.base}`), then transpose "
                          f"(`{name.base}^T -> {name.base}`).")
         helpers, renamed = self._transposes(statement)
-        flags = [a for a in renamed.attributes if a.key in _ALLOWED]
+        flags = [a for a in renamed.attributes if a.key in _ALLOWED] if renamed.attributes else ()
         if not flags:
-            return [*helpers, renamed]
+            return [*helpers, renamed] if helpers else [renamed]
         if len(flags) > 1:
             raise MacroError(f"one statement cannot use both {flags[0].key} and "
                              f"{flags[1].key}", flags[1].span)
@@ -150,7 +150,10 @@ class _Fuser:
 
     def _transposes(self, statement: Statement) -> tuple[list[Statement], Statement]:
         """`X^T` on the left: a helper `X -> X_transpose_tmp, permute="[]"` per name."""
-        if not any(n.text.endswith("^T") for n in statement.left):
+        for name in statement.left:
+            if name.text.endswith("^T"):
+                break
+        else:
             return [], statement
         helpers: list[Statement] = []
         left: list[Name] = []

@@ -98,6 +98,14 @@ def _names(statement: Statement) -> tuple[Name, ...]:
     return statement.left + statement.right
 
 
+def _with_id(name: Name, placeholder: str, number: str) -> Name:
+    """``name`` in the instance where ``placeholder`` is ``number``."""
+    text = name.text
+    if placeholder not in text:
+        return name
+    return Name(text.replace(placeholder, number), name.span, name.array)
+
+
 def _id_format(text: str, placeholders: tuple[str, ...]) -> str | None:
     """A name with $LAYER_ID / $EXPERT_ID as a format string, so each of a template's
     thousands of instances costs one `format_map` (None: the name has no placeholder)."""
@@ -136,15 +144,15 @@ class _Expander:
             macros.append(self.ids)
         # filling in ids and offsets makes no `[a:b]` and no `*`: a statement without them
         # skips those two macros for all of its (maybe thousands of) instances
-        if any(n.array for n in names):
+        if any([n.array for n in names]):
             macros.append(self.arrays)
         if "*" in texts:
             macros.append(self.stars)
         if not macros:
             self.expanded.append(statement)
             return [statement]
-        result = [statement]
-        for macro in macros:
+        result = macros[0](statement)
+        for macro in macros[1:]:
             result = [out for s in result for out in macro(s)]
         self.expanded += result
         return result
@@ -222,8 +230,11 @@ class _Expander:
     # $LAYER_ID / $EXPERT_ID ---------------------------------------------------------------
     def ids(self, statement: Statement) -> list[Statement]:
         names = _names(statement)
-        pattern = next((n for n in (statement.right if self.ctx.reverse else names)
-                        if "$LAYER_ID" in n.text or "$EXPERT_ID" in n.text), None)
+        pattern = None
+        for name in (statement.right if self.ctx.reverse else names):
+            if "$LAYER_ID" in name.text or "$EXPERT_ID" in name.text:
+                pattern = name
+                break
         if pattern is None:
             if not any("$LAYER_ID" in n.text or "$EXPERT_ID" in n.text for n in names):
                 return [statement]
@@ -233,22 +244,25 @@ class _Expander:
                 hint="Write the placeholder in the names right of '->' too.")
         template = _template(pattern.base)
         found = template.placeholders
-        values: dict[str, set[int]] = {p: set() for p in found}
+        values: dict[str, set[int]] = (
+            {found[0]: set()} if len(found) == 1 else {p: set() for p in found})
         matched = self._match_ids(template, self.source_keys, values)
         if not matched and not self.ctx.reverse and (produced := self.produced()).keys:
             # Spec 0.5: a template over temporaries expands over the ids they were made with.
             self._match_ids(template, produced, values)
+        marks = [p[1:] for p in found]
         for name in names:
-            missing = [p for p in found if p[1:] not in name.text] if len(found) > 1 else (
-                found if found[0][1:] not in name.text else ())
+            text = name.text
+            missing = [p for p, mark in zip(found, marks) if mark not in text] if len(
+                found) > 1 else (found if marks[0] not in text else ())
             if missing:
                 raise MacroError(
                     f"'{name.text}' lacks {', '.join(missing)}, which every name of this "
                     "template must carry", name.span,
                     hint="All names of a $LAYER_ID / $EXPERT_ID statement must use the same "
                          "placeholders.")
-        ordered = tuple(sorted(found))
-        instances = math.prod([len(numbers) for numbers in values.values()])
+        ordered = found if len(found) == 1 else tuple(sorted(found))
+        instances = math.prod(map(len, values.values()))
         if instances > MAX_TEMPLATE_INSTANCES:
             counts = " times ".join(f"{len(values[p])} {p}" for p in ordered)
             raise MacroError(
@@ -258,9 +272,16 @@ class _Expander:
                      "ids that go together as separate templates.")
         if not instances:
             self.expands_to_nothing(pattern, *found)
+        attributes, span = statement.attributes, statement.span
+        origin = Origin("id", statement)  # one for all instances: they share their parent
         if len(ordered) == 1:
             (placeholder,) = ordered
             numbers = list(map(str, sorted(values[placeholder])))
+            if len(statement.left) == 1 and len(statement.right) == 1:  # the usual: a rename
+                (source,), (target,) = statement.left, statement.right
+                return [Statement((_with_id(source, placeholder, number),),
+                                  (_with_id(target, placeholder, number),),
+                                  attributes, span, origin) for number in numbers]
 
             def column(name: Name) -> list[Name]:
                 """The name in every instance, one template name at a time."""
@@ -285,8 +306,6 @@ class _Expander:
         # both sides hold a name at least (the grammar's), so zip makes every instance
         lefts = zip(*map(column, statement.left))
         rights = zip(*map(column, statement.right))
-        attributes, span = statement.attributes, statement.span
-        origin = Origin("id", statement)  # one for all instances: they share their parent
         return [Statement(left, right, attributes, span, origin)
                 for left, right in zip(lefts, rights)]
 

@@ -176,10 +176,74 @@ _TOKENS = re.compile(
 _Tok = tuple[str, str, int, int]
 
 
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9.$_*^]*"
+_NAMES = rf"{_IDENTIFIER}(?:[ \t]*,[ \t]*{_IDENTIFIER})*"
+_VALUE = rf"""(\d+)|"([^"\n]*)"|'([^'\n]*)'|({_IDENTIFIER})"""
+#: one statement alone on its line, its names then `key=value` attributes: what Paddle's
+#: lists of statement strings hold, one string each
+_ONE_LINE = re.compile(
+    rf"[ \t]*({_NAMES})[ \t]*->[ \t]*({_NAMES})"
+    rf"((?:[ \t]*,[ \t]*{_IDENTIFIER}[ \t]*=[ \t]*(?:{_VALUE.replace('(', '(?:')}))*)"
+    r"[ \t]*")
+_NAME = re.compile(_IDENTIFIER)
+_ATTRIBUTE = re.compile(rf"({_IDENTIFIER})[ \t]*=[ \t]*(?:{_VALUE})")
+
+
+def _one_line_parse(source: SourceText) -> list[Statement] | None:
+    """`_fast_parse` of a text that is one statement on one line, by one match (None: the
+    text is not such a statement)."""
+    found = _ONE_LINE.fullmatch(source.text)
+    if found is None:
+        return None
+    left = tuple(_names(source, found, 1))
+    right = _names(source, found, 2)
+    attributes = []
+    if not FLAG_ATTRIBUTES.isdisjoint([name.text for name in right]):
+        while right[-1].text in FLAG_ATTRIBUTES:
+            flag = right.pop()
+            attributes.append(Attribute(flag.text, None, flag.span))
+        if not right or any(name.text in FLAG_ATTRIBUTES for name in right):
+            return None  # a name after the attributes, or none before: Lark's path says so
+        attributes.reverse()
+    end = found.end(2)
+    if found.start(3) != found.end(3):
+        end = found.end(3)
+        for attribute in _ATTRIBUTE.finditer(source.text, found.start(3), end):
+            key, number, double, single, word = attribute.groups()
+            held: int | str
+            if number is not None:
+                if len(number) > MAX_NUMBER_DIGITS:
+                    return None
+                held = int(number)
+            elif word is not None:
+                if key not in NAME_ATTRIBUTES:
+                    return None
+                held = word
+            else:
+                held = double if double is not None else single
+            attributes.append(Attribute(key, held, Span(source, 1, attribute.start() + 1, 1,
+                                                        attribute.end() + 1)))
+    return [Statement(left, tuple(right), tuple(attributes),
+                      Span(source, 1, found.start(1) + 1, 1, end + 1))]
+
+
+def _names(source: SourceText, found: re.Match, group: int) -> list[Name]:
+    """The names of a group of `_ONE_LINE`, with their spans."""
+    start, end = found.span(group)
+    text = found.group(group)
+    if "," not in text:
+        return [Name(text, Span(source, 1, start + 1, 1, end + 1))]
+    return [Name(name.group(), Span(source, 1, name.start() + 1, 1, name.end() + 1))
+            for name in _NAME.finditer(source.text, start, end)]
+
+
 def _fast_parse(source: SourceText) -> list[Statement] | None:
     """The statements of ``source`` as Lark and `_ToIR` make them, without Lark, or None
     for a text the fast path does not take (any error, anything unusual): `parse_source`
     then parses it with Lark, which gives the same result or the same error."""
+    one_line = _one_line_parse(source)
+    if one_line is not None:
+        return one_line
     text = source.text
     tokens: list[_Tok] = []
     pos, line, line_start, size = 0, 1, 0, len(text)

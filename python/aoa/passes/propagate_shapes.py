@@ -78,6 +78,9 @@ class _Machine:
         self.state = SymbolicTensors(program, self.inputs, {})
         self.bound = self.state.bound
         self.destination_keys = ctx.destination_keys
+        #: (permute= text, rank) -> the permutation it makes (a transpose per layer and
+        #: matrix asks the same one, mostly `permute="[]"` of `^T`)
+        self.permutes: dict[tuple[str, int], Permute] = {}
 
     def ref(self, name: Name, statement: Statement) -> Tensor:
         tensor = self.bound.get(name.text) or self.inputs.get(name.text)
@@ -148,8 +151,10 @@ class _Machine:
                              f"{len(right)} equal parts along axis {axis}", statement.span,
                              statement, hint=f"The size {source.shape[axis]} must be a "
                                              f"multiple of {len(right)}.")
-            self.check_pieces(symbolic.split_pieces(source.piece_map, axis, len(right)),
-                              statement)
+            # a piece meets each part at most: counted only where that bound is too high
+            if len(source.piece_map.pieces) * len(right) > MAX_PIECES:
+                self.check_pieces(symbolic.split_pieces(source.piece_map, axis, len(right)),
+                                  statement)
             for name, part in zip(right, split(source, axis, len(right))):
                 self.bind(name, part, statement)
             return
@@ -291,6 +296,14 @@ class _Machine:
     def permutation(self, attribute: Attribute, source: Tensor, statement) -> Permute:
         rank = len(source.shape)
         text = str(attribute.value)
+        permute = self.permutes.get((text, rank))
+        if permute is None:
+            permute = self.permutes[text, rank] = self._permutation(text, rank, source,
+                                                                    attribute, statement)
+        return permute
+
+    def _permutation(self, text: str, rank: int, source: Tensor, attribute: Attribute,
+                     statement: Statement) -> Permute:
         if text == "[]":
             axes = tuple(range(rank - 1, -1, -1))
             return Permute(axes, str(list(axes)))
@@ -380,6 +393,16 @@ def share_outputs(state: SymbolicTensors, shared: Sequence[SharedInstances],
     outputs, writers, destination_keys = state.outputs, state.writers, ctx.destination_keys
     for group in shared:
         kept = group.kept
+        if len(kept.left) == 1 and len(kept.right) == 1:  # a rename (maybe a cast, a ^T)
+            tensor = outputs.get(kept.right[0].text)
+            if tensor is not None and tensor.keys == (kept.left[0].base,):
+                for statement, own_reads in group.followers:
+                    own_key = statement.right[0].text
+                    if own_key in destination_keys:
+                        outputs[own_key] = Tensor(tensor.piece_map, own_reads, tensor.dtype,
+                                                  name=own_key)
+                        writers[own_key] = statement
+                continue
         reads = [n.base for n in kept.left]
         # (position of a write, its tensor, the read each slot of it comes from: a
         # position in the reads, or past them one in the key itself, kept as it is)

@@ -78,6 +78,9 @@ class DataFlow:
         order = list(reversed(range(len(written)))) if reverse else list(range(len(written)))
         flow = cls([written[i] for i in order], reverse)
         current: dict[str, int] = {}
+        # a node per name a statement reads first or writes: its name, the statement
+        # that wrote it (None: read before any wrote it) and the ones that read it
+        node_name, producer, consumers = flow.node_name, flow.producer, flow.consumers
         for executed, index in enumerate(order):
             statement = written[index]
             reads, writes = ((statement.right, statement.left) if reverse
@@ -89,15 +92,22 @@ class DataFlow:
                     continue
                 node = current.get(base)
                 if node is None:
-                    node = current[base] = flow._new_node(base, None)
-                flow.consumers[node].append(executed)
+                    node = current[base] = len(node_name)
+                    node_name.append(base)
+                    producer.append(None)
+                    consumers.append([executed])
+                else:
+                    consumers[node].append(executed)
                 read_nodes.append(node)
             write_nodes = []
             for name in writes:
                 base = name.base
                 if base == NOTHING and len(writes) == 1:
                     continue
-                node = current[base] = flow._new_node(base, executed)
+                node = current[base] = len(node_name)
+                node_name.append(base)
+                producer.append(executed)
+                consumers.append([])
                 write_nodes.append(node)
             flow.inputs.append(read_nodes)
             flow.outputs.append(write_nodes)
@@ -107,12 +117,6 @@ class DataFlow:
     def executed(self, index: int) -> int:
         """The position in execution order of the statement at ``index`` in the program."""
         return len(self.statements) - 1 - index if self.reverse else index
-
-    def _new_node(self, name: str, producer: int | None) -> int:
-        self.node_name.append(name)
-        self.producer.append(producer)
-        self.consumers.append([])
-        return len(self.node_name) - 1
 
 
 class Chains:

@@ -28,9 +28,14 @@ from aoa.passes.context import CompileContext
 NAME = "share_instances"
 
 
-def _signatures(info: dict[str, list[ShardDesc]] | None, shardings: dict[str, int]) -> dict:
+def _signatures(info: dict[str, list[ShardDesc]] | None, shardings: dict[str, int],
+                model_keys: frozenset[str]) -> dict:
     """Per key, what stands for the shardings of it and its optimizer states: its sharding
-    number, paired with its states' numbers where the checkpoint holds states of it."""
+    number, paired with its states' numbers where the checkpoint holds states of it.
+    ``model_keys``: the keys of ``info`` without their optimizer suffixes, which are its
+    keys exactly where none has such a suffix (a suffix only shortens a key)."""
+    if info is None or model_keys == info.keys():
+        return shardings
     states: dict[str, list[tuple[str, int]]] = {}
     for key in info or ():
         if key.endswith(OPTIMIZER_SUFFIXES):
@@ -85,9 +90,10 @@ class _Sharing:
     def __init__(self, ctx: CompileContext, reads: Counter, writes: Counter) -> None:
         self.reads, self.writes = reads, writes
         self.source_keys = ctx.source_keys
-        self.source_signature = _signatures(ctx.source, ctx.source_shardings).get
-        self.destination_signature = _signatures(ctx.destination,
-                                                 ctx.destination_shardings).get
+        self.source_signature = _signatures(ctx.source, ctx.source_shardings,
+                                            ctx.source_keys).get
+        self.destination_signature = _signatures(ctx.destination, ctx.destination_shardings,
+                                                 ctx.destination_keys).get
         self.written_once = {name for name, count in writes.items()
                              if count == 1 and not name.endswith("^T")}
         self.read_once = {name for name, count in reads.items() if count == 1}
