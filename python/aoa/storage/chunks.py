@@ -111,20 +111,13 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
         closely = {position: _checked_closely(names[position], _chunks_of(
             columns, rows[starts[position]:ends[position]]), None)
             for position, way in enumerate(ways) if cuts[way] is None}
-    made_of = {way: len(cut[0]) if cut else 0 for way, cut in cuts.items()}
-    made = list(map(made_of.__getitem__, ways))
-    if all(cut and cut[0] == list(range(len(way))) for way, cut in cuts.items()):
-        chosen: Sequence[int] = rows  # no replicas, each key's chunks in order: every row
-    else:  # the row of each shard
-        chosen = list(map(rows.__getitem__, map(
-            operator.add,
-            itertools.chain.from_iterable(map({way: cut[0] if cut else () for way, cut in
-                                               cuts.items()}.__getitem__, ways)),
-            itertools.chain.from_iterable(map(itertools.repeat, starts, made)))))
+    made = list(map({way: len(cut[0]) if cut else 0 for way, cut in cuts.items()}.__getitem__,
+                    ways))  # shards of each key
+    chosen = _chosen_rows(ways, cuts, rows, starts, made)
     shard_keys = list(map(keys.__getitem__, chosen))
     shard_offsets = list(map(offsets.__getitem__, chosen))
     shape_of = {way: cut[1] if cut else () for way, cut in cuts.items()}
-    shards = unchecked_shards(
+    shards = _unchecked_shards(
         shard_keys, map(shapes.__getitem__, chosen),
         itertools.chain.from_iterable(map(itertools.repeat, map(shape_of.__getitem__, ways),
                                           made)),
@@ -137,6 +130,21 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
         located.update(((shard.key, shard.global_offset), location)
                        for shard, location in found)
     return StoredShards(dict(zip(names, by_key)), located)
+
+
+_Cut = tuple[list[int], tuple[int, ...]]
+
+
+def _chosen_rows(ways: list[tuple[int, ...]], cuts: dict[tuple[int, ...], _Cut | None],
+                 rows: Sequence[int], starts: list[int], made: list[int]) -> Sequence[int]:
+    """The row of each shard made: each key's distinct chunks, sorted by global offset (as
+    its way's cut says; none for a key whose way has no cut)."""
+    if all(cut and cut[0] == list(range(len(way))) for way, cut in cuts.items()):
+        return rows  # no replicas, each key's chunks in order: every row
+    positions = {way: cut[0] if cut else [] for way, cut in cuts.items()}
+    return list(map(rows.__getitem__, map(
+        operator.add, itertools.chain.from_iterable(map(positions.__getitem__, ways)),
+        itertools.chain.from_iterable(map(itertools.repeat, starts, made)))))
 
 
 def _ways_and_cuts(shapes: Sequence[tuple[int, ...]], offsets: Sequence[tuple[int, ...]],
@@ -156,9 +164,6 @@ def _ways_and_cuts(shapes: Sequence[tuple[int, ...]], offsets: Sequence[tuple[in
     box_of = {number: _BoxChunk(*box) for box, number in numbers.items()}
     return ways, {way: _cut_along_one_axis(list(map(box_of.__getitem__, way)), None)
                   for way in dict.fromkeys(ways)}
-
-
-_Cut = tuple[list[int], tuple[int, ...]]
 
 
 class _BoxChunk(NamedTuple):
@@ -191,7 +196,7 @@ def as_stored(found: Mapping[str, Sequence[tuple[ShardDesc, object]]]) -> Stored
                          for pairs in found.values() for shard, location in pairs})
 
 
-def unchecked_shards(keys: Sequence[str], local_shapes: Iterable[tuple[int, ...]],
+def _unchecked_shards(keys: Sequence[str], local_shapes: Iterable[tuple[int, ...]],
                      global_shapes: Iterable[tuple[int, ...]],
                      global_offsets: Sequence[tuple[int, ...]],
                      dtypes: Iterable[str | None]) -> list[ShardDesc]:

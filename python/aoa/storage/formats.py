@@ -47,8 +47,8 @@ path its own way.
 
 **A new format** is a module named in `FORMAT_MODULES` whose ``FORMAT`` is a `Format`: a
 `Source` subclass (a sharded format builds each key's shards with
-`aoa.storage.chunks.key_shards`, or all keys' at once with `shards_by_key`, which check
-replicas and tiling), a `Destination`
+`aoa.storage.chunks.key_shards`, or all keys' at once with `shards_by_key`, or from
+columns with `stored_shards`, which check replicas and tiling), a `Destination`
 subclass (or None for a read-only format) with ``plan_files``, ``layout`` and ``index``, and
 a cheap ``claims``. Nothing outside the module changes.
 

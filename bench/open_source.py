@@ -1,0 +1,52 @@
+"""Opening a checkpoint: `aoa.storage.open_source` of a folder, timed (wall and this
+process's CPU seconds, which the load of a shared machine moves far less), N times.
+
+With ``--against PYTHON``, the same runs are made by another interpreter (another build of
+aoa, such as a virtual environment of an older commit) in turn with this one, round by
+round, so that both see the same machine.
+
+Usage: python bench/open_source.py FOLDER [--repeats 3] [--against OTHER/bin/python]
+(for the 61x256 MoE of small_tensors.py: FOLDER is its work folder's src-61x256)
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+
+def measure(folder: str) -> str:
+    """One opening of ``folder``, as a line: wall and CPU seconds, keys and shards."""
+    from aoa.storage import open_source
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    with open_source(folder) as checkpoint:
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        shards = sum(map(len, checkpoint.shards.values()))
+        return (f"open {wall:.3f} s wall, {cpu:.3f} s CPU "
+                f"({len(checkpoint.shards):,} keys, {shards:,} shards)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--against", help="another Python whose aoa to time in turn")
+    parser.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.once:
+        print(measure(args.folder))
+        return
+    pythons = [("this", sys.executable)] + ([("against", args.against)] if args.against
+                                             else [])
+    for repeat in range(1, args.repeats + 1):
+        for name, python in pythons:  # each in a fresh process, as a command would open it
+            line = subprocess.run([python, __file__, args.folder, "--once"], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+            print(f"{repeat} {name:8s} {line}")
+
+
+if __name__ == "__main__":
+    main()
