@@ -9,10 +9,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 from safetensors_files import read_back, save
 
 from aoa.cli import main
+from aoa.jobs.convert import destination_shards
+from aoa.layout import ShardDesc
 
 MAPPING = """\
 # rename, fuse gate/up, transpose, cast
@@ -311,3 +315,22 @@ def test_compiles_once_unless_a_layout_needs_the_outputs_first(workspace, monkey
     assert main(["convert", str(workspace / "map.aoa"), "--source", str(workspace / "src"),
                  "--output", str(workspace / "out"), "--quiet", *where]) == 0
     assert len(calls) == compiles
+
+
+@given(st.lists(st.integers(0, 4), max_size=12))
+def test_a_shard_list_gives_rank_i_the_ith_shard_of_each_key(counts: list[int]) -> None:
+    """Positions in the key-by-key listing: rank i holds the i-th listed shard of each key
+    that has one."""
+    listing = {f"k{k}": [ShardDesc(f"k{k}", (1,), (count,), (i,), "float32")
+                         for i in range(count)] for k, count in enumerate(counts)}
+    expected: list[list[int]] = []
+    position = 0
+    for count in counts:
+        for i in range(count):
+            while len(expected) <= i:
+                expected.append([])
+            expected[i].append(position)
+            position += 1
+    by_key, ranks = destination_shards(None, {}, destination=listing)
+    assert by_key is listing
+    assert ranks == expected

@@ -141,6 +141,21 @@ def test_a_failed_fsync_is_raised_once_every_file_is_finished(tmp_path: Path,
     assert (tmp_path / "b").read_bytes() == expected(layout)
 
 
+def test_a_file_that_failed_to_finish_stops_the_next_one(tmp_path: Path, monkeypatch) -> None:
+    def fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    layout = small_layout()
+    second = Recorder(layout)
+    with pytest.raises(StorageError) as caught, StagingBuffers(2, 2 * ALIGNMENT) as buffers:
+        start_file(tmp_path / "a", layout, Recorder(layout), buffers).wait()
+        start_file(tmp_path / "b", layout, second, buffers)
+    assert caught.value.message == f"{tmp_path / 'a'}: cannot write: Input/output error"
+    assert second.calls == []  # "b" was not filled, nor made
+    assert not (tmp_path / "b").exists()
+
+
 def test_one_fill_per_buffer(tmp_path: Path) -> None:
     """Many small shards in one buffer are one kernel call, not one each."""
     shards = [ShardSpan(i, 8 * i, 8, 4) for i in range(1000)]

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from aoa.block_scales import Quantized, without_scales
 from aoa.errors import UsageError
 from aoa.jobs.job import Job, ShardInfo, derived_outputs, plan_job
@@ -105,15 +107,20 @@ def destination_shards(mapping: MappingText, source: ShardInfo, *,
         return shards.by_key, shards.ranks
     if destination is None:
         return None, None
-    ranks: list[list[int]] = []
-    position = 0
-    for shards_of_key in destination.values():
-        for i, _ in enumerate(shards_of_key):
-            while len(ranks) <= i:
-                ranks.append([])
-            ranks[i].append(position)
-            position += 1
-    return destination, ranks
+    return destination, _ranks_of_listing(list(map(len, destination.values())))
+
+
+def _ranks_of_listing(counts: list[int]) -> list[list[int]]:
+    """Rank i's positions in a key-by-key listing of shards, ``counts[k]`` shards of key k:
+    the i-th of each key that has one (numbered with numpy: 125k shards in milliseconds)."""
+    sizes = np.array(counts, np.int64)
+    if not sizes.any():
+        return []
+    starts = np.cumsum(sizes) - sizes
+    within = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(starts, sizes)
+    order = np.argsort(within, kind="stable")  # by rank, then by position
+    bounds = np.cumsum(np.bincount(within))[:-1]
+    return [part.tolist() for part in np.split(order, bounds)]
 
 
 def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,

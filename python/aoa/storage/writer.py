@@ -89,6 +89,12 @@ class StagingBuffers:
         finishing, self.finishing = self.finishing, []
         return [file.result() for file in finishing]
 
+    def check(self) -> None:
+        """Raise the failure of a file that finished with one, before another is started."""
+        for file in self.finishing:
+            if file.failed:
+                self.finish()
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.finish()
@@ -133,6 +139,11 @@ class FileWrite:
         """Whether the file goes around the page cache, as far as is known yet."""
         return self._writes.direct
 
+    @property
+    def failed(self) -> bool:
+        """Whether the file has finished, and failed."""
+        return not self._thread.is_alive() and self._error is not None
+
     def wait(self) -> None:
         self._thread.join()
 
@@ -164,7 +175,9 @@ def start_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffe
     ``fill``, and hand them all to the writers; the file then finishes (last writes, fsync)
     in the background while the caller goes on to the next file: `FileWrite.result`, or
     ``buffers.finish()`` for every file started, waits for it. A failure before the hand-over
-    raises here, having waited for the file's writes in flight; the caller removes the file."""
+    raises here, having waited for the file's writes in flight; the caller removes the file.
+    A file started before that failed to finish is raised here, before this one starts."""
+    buffers.check()
     fixed, spans = _items(path, layout)
     fd, direct = _open(path, direct)
     try:
