@@ -5,6 +5,9 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from aoa.storage.pages import BATCH_BYTES, PageRelease
 
 PAGE = mmap.PAGESIZE
@@ -78,3 +81,28 @@ def test_many_releases_at_once_drop_what_one_by_one_drops() -> None:
 
     assert len(at_once.calls) <= len(one_by_one.calls)
     assert dropped(at_once.calls) == dropped(one_by_one.calls) != set()
+
+
+def runs_one_by_one(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The calls a batch of (offset, nbytes) should make, worked out range by range."""
+    runs: list[list[int]] = []
+    for begin, end in sorted((offset, offset + nbytes) for offset, nbytes in ranges if nbytes):
+        begin -= begin % PAGE
+        if runs and begin <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([begin, end])
+    return [(mmap.MADV_DONTNEED, begin, end - begin) for begin, end in runs]
+
+
+#: Ranges in steps of a quarter page, so that they often end where a page begins.
+QUARTERS = st.integers(0, 24).map(lambda n: n * PAGE // 4)
+
+
+@given(st.lists(st.tuples(QUARTERS, QUARTERS), max_size=40))
+def test_a_batch_drops_each_run_of_touching_pages_once(ranges: list[tuple[int, int]]) -> None:
+    mapping = Recording()
+    pages = PageRelease(mapping)  # type: ignore[arg-type]
+    pages.release_many(ranges)
+    pages.flush()
+    assert mapping.calls == runs_one_by_one(ranges)
