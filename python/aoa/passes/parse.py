@@ -198,7 +198,8 @@ def _one_line_parse(source: SourceText) -> list[Statement] | None:
     left = tuple(_names(source, found, 1))
     right = _names(source, found, 2)
     attributes = []
-    if not FLAG_ATTRIBUTES.isdisjoint([name.text for name in right]):
+    if (right[0].text in FLAG_ATTRIBUTES if len(right) == 1
+            else not FLAG_ATTRIBUTES.isdisjoint([name.text for name in right])):
         while right[-1].text in FLAG_ATTRIBUTES:
             flag = right.pop()
             attributes.append(Attribute(flag.text, None, flag.span))
