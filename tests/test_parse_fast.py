@@ -66,6 +66,7 @@ def test_fast_path_shapes() -> None:
                  "a -> b, fused_ffn", "a -> b, dtype='float32'", 'a -> b, dtype="x#y"',
                  "a^T -> b, tp_probe_key=w", "x.$EXPERT_ID.w -> y, num_heads=8, fused_qkv",
                  "a -> b, axis=1p -> q", "a -> b\r\nc -> d", "a -> b\r\rc -> d",
+                 "a -> fused_ffn", "a->fused_ffn, fused_qkv", "a -> fused_ffn, b",
                  "a -> b, \u0661\u0662", "a [ 0 : 2 ] -> b", "   ", ""]:
         assert_same(text)
     assert assert_same("a -> b c -> d")

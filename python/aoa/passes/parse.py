@@ -198,8 +198,9 @@ def _one_line_parse(source: SourceText) -> list[Statement] | None:
     left = tuple(_names(source, found, 1))
     right = _names(source, found, 2)
     attributes = []
-    if not FLAG_ATTRIBUTES.isdisjoint([name.text for name in right]):
-        while right[-1].text in FLAG_ATTRIBUTES:
+    if (right[0].text in FLAG_ATTRIBUTES if len(right) == 1
+            else not FLAG_ATTRIBUTES.isdisjoint([name.text for name in right])):
+        while right and right[-1].text in FLAG_ATTRIBUTES:
             flag = right.pop()
             attributes.append(Attribute(flag.text, None, flag.span))
         if not right or any(name.text in FLAG_ATTRIBUTES for name in right):
