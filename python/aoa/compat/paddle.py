@@ -35,20 +35,6 @@ class ShardMappingEntry:
     postprocess_list: list[str] | None = None
 
 
-class _ShardFields:
-    """ShardDesc's slots in a plain class. An answer's descriptors are filled with plain
-    stores, then become ShardDescs (the same layout: their class is assigned), at a third
-    of the cost of setting a frozen dataclass's fields through their descriptors, a call
-    each; answers make them by the hundred thousand."""
-
-    __slots__ = ShardDesc.__slots__
-    key: str
-    local_shape: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-    dtype: str | None
-
-
 class _EntryFields:
     """ShardMappingEntry's slots in a plain class, for the same reason."""
 
@@ -59,6 +45,7 @@ class _EntryFields:
 
 
 _new_object = object.__new__
+_shard = ShardDesc.unchecked
 
 
 class AOAEngine:
@@ -183,17 +170,6 @@ class AOAEngine:
             steps = self._postprocess[ops] = tuple(
                 op.text if isinstance(op, Permute) else op for op in ops)
         return steps
-
-
-def _shard(key: str, local_shape: tuple[int, ...], global_shape: tuple[int, ...],
-           global_offset: tuple[int, ...], dtype: str | None) -> ShardDesc:
-    """A ShardDesc of parts of checked ones (a box inside a checked shard, of its key and
-    dtype), so not checked again."""
-    shard = _new_object(_ShardFields)
-    shard.key, shard.local_shape, shard.global_shape = key, local_shape, global_shape
-    shard.global_offset, shard.dtype = global_offset, dtype
-    shard.__class__ = ShardDesc  # type: ignore[assignment]
-    return shard  # type: ignore[return-value]
 
 
 def _entry(target: ShardDesc, source: ShardDesc, steps: tuple[str, ...] | None

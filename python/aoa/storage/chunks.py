@@ -117,7 +117,7 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
     shard_keys = list(map(keys.__getitem__, chosen))
     shard_offsets = list(map(offsets.__getitem__, chosen))
     shape_of = {way: cut[1] if cut else () for way, cut in cuts.items()}
-    shards = _unchecked_shards(
+    shards = ShardDesc.many_unchecked(
         shard_keys, map(shapes.__getitem__, chosen),
         itertools.chain.from_iterable(map(itertools.repeat, map(shape_of.__getitem__, ways),
                                           made)),
@@ -194,26 +194,6 @@ def as_stored(found: Mapping[str, Sequence[tuple[ShardDesc, object]]]) -> Stored
     return StoredShards({key: [shard for shard, _ in pairs] for key, pairs in found.items()},
                         {(shard.key, shard.global_offset): location
                          for pairs in found.values() for shard, location in pairs})
-
-
-def _unchecked_shards(keys: Sequence[str], local_shapes: Iterable[tuple[int, ...]],
-                     global_shapes: Iterable[tuple[int, ...]],
-                     global_offsets: Sequence[tuple[int, ...]],
-                     dtypes: Iterable[str | None]) -> list[ShardDesc]:
-    """`ShardDesc.unchecked` of each row of these columns, made field by field over all rows:
-    no Python call per shard."""
-    shards = list(map(_new_object, itertools.repeat(ShardDesc, len(keys))))
-    for setter, column in zip(_SETTERS, (keys, local_shapes, global_shapes, global_offsets,
-                                         dtypes)):
-        collections.deque(map(setter, shards, column), maxlen=0)
-    return shards
-
-
-_new_object = object.__new__
-# the slots' own setters, as `ShardDesc.unchecked` uses them (a frozen dataclass refuses
-# setattr)
-_SETTERS = tuple(getattr(ShardDesc, name).__set__ for name in (
-    "key", "local_shape", "global_shape", "global_offset", "dtype"))
 
 
 def key_shards(key: str, chunks: Sequence[Chunk],
