@@ -12,11 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import sub
 
+from aoa.collector import collector_paused
 from aoa.errors import UsageError, quote
 from aoa.layout import ShardDesc, as_shard
 from aoa.passes import propagate_shapes, through
 from aoa.passes.plan import Planner
-from aoa.pipeline import collector_paused, compile_in, new_context
+from aoa.pipeline import compile_in, new_context
 from aoa.symbolic import Entry, Op, Permute
 
 #: Paddle's shard descriptor; the same fields and value semantics.

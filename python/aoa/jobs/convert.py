@@ -10,7 +10,6 @@ files' mappings, and their pages dropped once read.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from aoa.block_scales import Quantized, without_scales
+from aoa.collector import collector_paused
 from aoa.errors import UsageError
 from aoa.jobs.job import Job, ShardInfo, derived_outputs, plan_job
 from aoa.layout import ShardDesc
@@ -181,12 +181,7 @@ def write(conversion: Conversion, destination: Destination, files: Sequence[Outp
     The cyclic garbage collector waits meanwhile: the write makes a few short-lived objects
     per copy and no cycles, while each of its full collections walks the whole plan again
     (at 61x256, 189k copies: a third of the conversion's time, `bench/small_tensors.py`)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         executor = conversion.job.executor(backend=backend, threads=threads,
                                            progress=progress, clear_untouched=True)
         return destination.write(executor.fill, files)
-    finally:
-        if collecting:
-            gc.enable()

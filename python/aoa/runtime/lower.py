@@ -11,10 +11,10 @@ of the copies that write that part.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from aoa.collector import collector_paused
 from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
 from aoa.plan import CopyTable, KeyedCopy, Plan, PlannedCopy
@@ -85,14 +85,9 @@ def _kernel_copies_by_block(plan: Plan, table: CopyTable) -> list[Copy]:
     append = result.append
     # Hundreds of thousands of new objects and no reference cycles: the cyclic collector
     # would walk the growing heap again and again (half the time at 61x256), so it waits.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         for first, block, reads in table.blocks():
             _lower_block(first, block, reads, sources, destinations, lowered, append)
-    finally:
-        if collecting:
-            gc.enable()
     return result
 
 
