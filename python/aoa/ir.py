@@ -152,6 +152,29 @@ class Statement:
         return format_statement(self)
 
 
+class _NameFields:
+    """Name's slots in a plain class, for `make_name`."""
+
+    __slots__ = Name.__slots__
+    text: str
+    span: Span | None
+    array: tuple[int, int] | None
+
+
+_new_object = object.__new__
+
+
+def make_name(text: str, span: Span | None = None,
+              array: tuple[int, int] | None = None) -> Name:
+    """``Name(text, span, array)`` for the passes that make names by the hundred (parsing,
+    template instances): plain stores into `_NameFields`, which then becomes a Name, not a
+    descriptor call per field (about 180 ns a name less)."""
+    name = _new_object(_NameFields)
+    name.text, name.span, name.array = text, span, array
+    name.__class__ = Name  # type: ignore[assignment]
+    return name  # type: ignore[return-value]
+
+
 _set_name_text, _set_name_span, _set_name_array = (
     getattr(Name, field).__set__ for field in ("text", "span", "array"))
 _set_attribute_key, _set_attribute_value, _set_attribute_span = (

@@ -19,7 +19,7 @@ import itertools
 from math import lcm
 
 from aoa.errors import MacroError
-from aoa.ir import NOTHING, Attribute, Name, Program, Statement
+from aoa.ir import NOTHING, Attribute, Name, Program, Statement, make_name
 from aoa.layout import shard_count
 from aoa.limits import MAX_MACRO_NAMES
 from aoa.passes.context import CompileContext
@@ -218,7 +218,7 @@ class _Fuser:
                 continue
             named = made.get(name)
             if named is None:
-                named = made[name] = Name(name, span)
+                named = made[name] = make_name(name, span)
             result.append(named)
         return tuple(result)
 

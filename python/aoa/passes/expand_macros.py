@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from aoa.errors import MacroError
-from aoa.ir import Name, Origin, Program, Statement
+from aoa.ir import Name, Origin, Program, Statement, make_name
 from aoa.limits import MAX_MACRO_NAMES, MAX_TEMPLATE_INSTANCES
 from aoa.passes.context import CompileContext
 
@@ -103,7 +103,7 @@ def _with_id(name: Name, placeholder: str, number: str) -> Name:
     text = name.text
     if placeholder not in text:
         return name
-    return Name(text.replace(placeholder, number), name.span, name.array)
+    return make_name(text.replace(placeholder, number), name.span, name.array)
 
 
 def _id_format(text: str, placeholders: tuple[str, ...]) -> str | None:
@@ -288,7 +288,7 @@ class _Expander:
                 text, span, array = name.text, name.span, name.array
                 if placeholder not in text:
                     return [name] * len(numbers)
-                return [Name(text.replace(placeholder, number), span, array)
+                return [make_name(text.replace(placeholder, number), span, array)
                         for number in numbers]
         else:
             fields = [p[1:] for p in ordered]
@@ -300,7 +300,7 @@ class _Expander:
                 text_format = _id_format(name.text, ordered)
                 if text_format is None:
                     return [name] * len(filled)
-                return [Name(text, name.span, name.array)
+                return [make_name(text, name.span, name.array)
                         for text in map(text_format.format_map, filled)]
 
         # both sides hold a name at least (the grammar's), so zip makes every instance

@@ -22,7 +22,7 @@ from lark import (
 from lark.exceptions import VisitError
 
 from aoa.errors import AoaSyntaxError, UsageError, quote
-from aoa.ir import FLAG_ATTRIBUTES, NAME_ATTRIBUTES, Attribute, Name, Program, Statement
+from aoa.ir import FLAG_ATTRIBUTES, NAME_ATTRIBUTES, Attribute, Name, Program, Statement, make_name
 from aoa.limits import MAX_NUMBER_DIGITS
 from aoa.passes.context import CompileContext
 from aoa.source import SourceText, Span
@@ -233,8 +233,8 @@ def _names(source: SourceText, found: re.Match, group: int) -> list[Name]:
     start, end = found.span(group)
     text = found.group(group)
     if "," not in text:
-        return [Name(text, Span(source, 1, start + 1, 1, end + 1))]
-    return [Name(name.group(), Span(source, 1, name.start() + 1, 1, name.end() + 1))
+        return [make_name(text, Span(source, 1, start + 1, 1, end + 1))]
+    return [make_name(name.group(), Span(source, 1, name.start() + 1, 1, name.end() + 1))
             for name in _NAME.finditer(source.text, start, end)]
 
 
