@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from aoa.ir import Name, make_name
+from aoa.ir import Attribute, Name, Statement, make_name, make_statement
 from aoa.source import SourceText, Span
 
 
@@ -22,3 +22,18 @@ def test_make_name_is_a_name(args):
     assert pickle.loads(pickle.dumps(made)) == built
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.text = "other"  # type: ignore[misc]
+
+
+def test_make_statement_is_a_statement():
+    span = Span(SourceText("<s>", "a -> b"), 1, 1, 1, 7)
+    args = ((Name("a"),), (Name("b"),), (Attribute("axis", 1),), span, None)
+    made, built = make_statement(*args), Statement(*args)
+    assert type(made) is Statement
+    assert made == built and hash(made) == hash(built)
+    assert repr(made) == repr(built) and str(made) == str(built)
+    assert (made.span, made.origin) == (built.span, built.origin)
+    derived = made.derive("id", [Name("c")], [Name("d")])
+    assert derived.origins() == [("id", made)] and derived.written() is made
+    assert pickle.loads(pickle.dumps(made)) == built
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.left = ()  # type: ignore[misc]

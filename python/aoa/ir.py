@@ -118,10 +118,10 @@ class Statement:
 
     def derive(self, macro: str, left, right, attributes=()) -> Statement:
         """A statement made by ``macro`` from this one (it inherits the span)."""
-        return Statement(left if type(left) is tuple else tuple(left),
-                         right if type(right) is tuple else tuple(right),
-                         attributes if type(attributes) is tuple else tuple(attributes),
-                         self.span, Origin(macro, self))
+        return make_statement(left if type(left) is tuple else tuple(left),
+                              right if type(right) is tuple else tuple(right),
+                              attributes if type(attributes) is tuple else tuple(attributes),
+                              self.span, Origin(macro, self))
 
     def origins(self) -> list[tuple[str, Statement]]:
         """(macro, parent) pairs from this statement back to the one the user wrote."""
@@ -173,6 +173,29 @@ def make_name(text: str, span: Span | None = None,
     name.text, name.span, name.array = text, span, array
     name.__class__ = Name  # type: ignore[assignment]
     return name  # type: ignore[return-value]
+
+
+class _StatementFields:
+    """Statement's slots in a plain class, for `make_statement`."""
+
+    __slots__ = Statement.__slots__
+    left: tuple[Name, ...]
+    right: tuple[Name, ...]
+    attributes: tuple[Attribute, ...]
+    span: Span | None
+    origin: Origin | None
+
+
+def make_statement(left: tuple[Name, ...], right: tuple[Name, ...],
+                   attributes: tuple[Attribute, ...] = (), span: Span | None = None,
+                   origin: Origin | None = None) -> Statement:
+    """``Statement(...)`` by plain stores, as `make_name`: macros make a statement per
+    template instance and per derived step."""
+    statement = _new_object(_StatementFields)
+    statement.left, statement.right, statement.attributes = left, right, attributes
+    statement.span, statement.origin = span, origin
+    statement.__class__ = Statement  # type: ignore[assignment]
+    return statement  # type: ignore[return-value]
 
 
 _set_name_text, _set_name_span, _set_name_array = (

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from aoa.errors import MacroError
-from aoa.ir import Name, Origin, Program, Statement, make_name
+from aoa.ir import Name, Origin, Program, Statement, make_name, make_statement
 from aoa.limits import MAX_MACRO_NAMES, MAX_TEMPLATE_INSTANCES
 from aoa.passes.context import CompileContext
 
@@ -279,9 +279,9 @@ class _Expander:
             numbers = list(map(str, sorted(values[placeholder])))
             if len(statement.left) == 1 and len(statement.right) == 1:  # the usual: a rename
                 (source,), (target,) = statement.left, statement.right
-                return [Statement((_with_id(source, placeholder, number),),
-                                  (_with_id(target, placeholder, number),),
-                                  attributes, span, origin) for number in numbers]
+                return [make_statement((_with_id(source, placeholder, number),),
+                                       (_with_id(target, placeholder, number),),
+                                       attributes, span, origin) for number in numbers]
 
             def column(name: Name) -> list[Name]:
                 """The name in every instance, one template name at a time."""
@@ -306,7 +306,7 @@ class _Expander:
         # both sides hold a name at least (the grammar's), so zip makes every instance
         lefts = zip(*map(column, statement.left))
         rights = zip(*map(column, statement.right))
-        return [Statement(left, right, attributes, span, origin)
+        return [make_statement(left, right, attributes, span, origin)
                 for left, right in zip(lefts, rights)]
 
     @staticmethod

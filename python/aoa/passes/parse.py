@@ -22,7 +22,16 @@ from lark import (
 from lark.exceptions import VisitError
 
 from aoa.errors import AoaSyntaxError, UsageError, quote
-from aoa.ir import FLAG_ATTRIBUTES, NAME_ATTRIBUTES, Attribute, Name, Program, Statement, make_name
+from aoa.ir import (
+    FLAG_ATTRIBUTES,
+    NAME_ATTRIBUTES,
+    Attribute,
+    Name,
+    Program,
+    Statement,
+    make_name,
+    make_statement,
+)
 from aoa.limits import MAX_NUMBER_DIGITS
 from aoa.passes.context import CompileContext
 from aoa.source import SourceText, Span
@@ -224,8 +233,8 @@ def _one_line_parse(source: SourceText) -> list[Statement] | None:
                 held = double if double is not None else single
             attributes.append(Attribute(key, held, Span(source, 1, attribute.start() + 1, 1,
                                                         attribute.end() + 1)))
-    return [Statement(left, tuple(right), tuple(attributes),
-                      Span(source, 1, found.start(1) + 1, 1, end + 1))]
+    return [make_statement(left, tuple(right), tuple(attributes),
+                           Span(source, 1, found.start(1) + 1, 1, end + 1))]
 
 
 def _names(source: SourceText, found: re.Match, group: int) -> list[Name]:
