@@ -62,6 +62,7 @@ class SafetensorsSource(Source[int]):
         self._names = _rows(file.columns.names for file in self._listed)
         self._offsets = _rows(file.columns.offsets for file in self._listed)
         self._nbytes = _rows(file.columns.nbytes for file in self._listed)
+        self._last_plan: tuple[Sequence[ShardDesc], np.ndarray] | None = None
         super().__init__(path, "dcp-safetensors" if sharded else "safetensors", _shards(files))
 
     def buffer(self, shard: ShardDesc) -> memoryview:
@@ -136,9 +137,16 @@ class SafetensorsSource(Source[int]):
                 np.array(self._nbytes, np.int64))
 
     def _plan_rows(self, shards: Sequence[ShardDesc]) -> np.ndarray:
-        """The row of each shard, -1 where the source holds none (refused when asked)."""
-        found = map(self._locations.get, zip(map(_KEY, shards), map(_GLOBAL_OFFSET, shards)))
-        return np.array([-1 if row is None else row for row in found], np.int64)
+        """The row of each shard, -1 where the source holds none (refused when asked); the
+        last plan's kept, since its buffers and its releases both ask."""
+        last = self._last_plan
+        if last is not None and last[0] is shards:
+            return last[1]
+        keys = zip(map(_KEY, shards), map(_GLOBAL_OFFSET, shards))
+        rows = np.fromiter(map(self._locations.get, keys, itertools.repeat(-1)), np.int64,
+                           count=len(shards))
+        self._last_plan = (shards, rows)
+        return rows
 
     def _asked(self, rows: np.ndarray, shards: Sequence[ShardDesc], indices: list[int]
                ) -> np.ndarray:
