@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -104,5 +105,19 @@ def test_a_batch_drops_each_run_of_touching_pages_once(ranges: list[tuple[int, i
     mapping = Recording()
     pages = PageRelease(mapping)  # type: ignore[arg-type]
     pages.release_many(ranges)
+    pages.flush()
+    assert mapping.calls == runs_one_by_one(ranges)
+
+
+@given(st.lists(st.tuples(QUARTERS, QUARTERS), max_size=40), st.integers(0, 40))
+def test_ranges_given_as_columns_drop_as_ranges_given_as_pairs(
+        ranges: list[tuple[int, int]], split: int) -> None:
+    """`release_columns` (numpy columns of offsets and bytes), alone or with pairs pending,
+    drops the runs the same ranges given as pairs drop."""
+    mapping = Recording()
+    pages = PageRelease(mapping)  # type: ignore[arg-type]
+    pages.release_many(ranges[:split])
+    columns = np.array(ranges[split:], np.int64).reshape(-1, 2)
+    pages.release_columns(columns[:, 0], columns[:, 1])
     pages.flush()
     assert mapping.calls == runs_one_by_one(ranges)

@@ -95,6 +95,46 @@ def test_many_shards_at_once_across_files(tmp_path: Path, monkeypatch) -> None:
         assert storage_error(checkpoint.release_many, [stray]) == expected
 
 
+def test_plan_indices_read_and_drop_what_shards_do(tmp_path: Path, monkeypatch) -> None:
+    """`plan_release` (a plan's shards looked up once, dropped by columns of ranges per file)
+    asks each file to drop the ranges `release_many` asks for; `plan_buffers` reads what
+    `buffers` reads; a shard the source lacks, or a closed file, is named when asked, as
+    `release_many` and `buffers` name them."""
+    import aoa.storage.pages as pages
+
+    monkeypatch.setattr(pages, "BATCH_BYTES", 1 << 40)  # keep the ranges pending, to compare
+    arrays = {"a": arange(2), "b": arange(3, 5), "c": arange(1)}
+    save_file({"a": arrays["a"], "c": arrays["c"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": arrays["b"]}, tmp_path / "model-00002-of-00002.safetensors")
+    with open_source(tmp_path) as checkpoint:
+        stray = ShardDesc.full("d", (2,), "float32")
+        shards = [checkpoint.shards[key][0] for key in ("c", "b", "a")] + [stray]
+
+        def pending() -> list[list[tuple[int, int]]]:
+            found = []
+            for file in checkpoint._listed:  # type: ignore[attr-defined]
+                ranges = list(file.pages._ranges)
+                ranges += [tuple(row) for part in file.pages._columns for row in part.tolist()]
+                found.append(sorted(ranges))
+                file.pages.flush()
+            return found
+
+        checkpoint.release_many(shards[:3])
+        expected = pending()
+        checkpoint.plan_release(shards)([0, 1, 2])
+        assert pending() == expected
+        assert [bytes(view) for view in checkpoint.buffers(shards[:3])] == [
+            arrays[key].tobytes() for key in ("c", "b", "a")]
+        message = storage_error(checkpoint.plan_release(shards), [1, 3])
+        assert message == f"{tmp_path}: holds no shard of 'd' at global offset [0]"
+        buffers = checkpoint.plan_buffers(shards)
+        assert [bytes(view) for view in buffers([2, 1, 0, 1])] == [
+            arrays[key].tobytes() for key in ("a", "b", "c", "b")]
+        assert storage_error(buffers, [0, 3]) == message
+    closed = f"{tmp_path / 'model-00002-of-00002.safetensors'}: closed; cannot read tensor 'b'"
+    assert storage_error(buffers, [1, 0]) == closed
+
+
 def test_a_closed_source_names_the_file_and_the_tensor_asked(tmp_path: Path) -> None:
     save_file({"a": arange(2)}, tmp_path / "model-00001-of-00002.safetensors")
     save_file({"b": arange(3)}, tmp_path / "model-00002-of-00002.safetensors")

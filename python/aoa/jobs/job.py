@@ -86,13 +86,13 @@ class Job:
     def source_buffers(self, read: dict[int, ShardDesc] | None = None
                        ) -> Callable[[list[int]], list[object]]:
         """`source_buffer` of many plan indices at once (what an executor's fill asks)."""
-        plan, source = self.plan, self.source
+        sources = self.plan.sources
+        buffers = self.source.plan_buffers(sources)
 
         def source_buffers(indices: list[int]) -> list[object]:
-            shards = [plan.sources[index] for index in indices]
             if read is not None:
-                read.update(zip(indices, shards))
-            return list(source.buffers(shards))
+                read.update(zip(indices, map(sources.__getitem__, indices)))
+            return list(buffers(indices))
 
         return source_buffers
 
@@ -105,16 +105,13 @@ class Job:
         ``clear_untouched``: see `PlanExecutor`."""
         plan, source = self.plan, self.source
 
-        def release(indices: list[int]) -> None:
-            shards = plan.sources
-            source.release_many([shards[index] for index in indices])
-
         def source_file(index: int) -> object:
             return source.file_of(plan.sources[index])
 
+        release = source.plan_release(plan.sources) if release_pages else None
         return PlanExecutor(plan, self.source_buffer(read), backend=backend, threads=threads,
                             source_buffers=self.source_buffers(read),
-                            progress=progress, release=release if release_pages else None,
+                            progress=progress, release=release,
                             clear_untouched=clear_untouched, source_file=source_file)
 
 

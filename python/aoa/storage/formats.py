@@ -163,6 +163,24 @@ class Source(ABC, Generic[Location]):
         for shard in shards:
             self.release(shard)
 
+    def plan_buffers(self, shards: Sequence[ShardDesc]
+                     ) -> Callable[[list[int]], list[memoryview]]:
+        """`buffers` of ``shards[i]`` for each index ``i`` it is given: what an executor asks
+        a fill's new source shards for (a format may look a plan's shards up once, here)."""
+        def buffers(indices: list[int]) -> list[memoryview]:
+            return self.buffers([shards[index] for index in indices])
+
+        return buffers
+
+    def plan_release(self, shards: Sequence[ShardDesc]) -> Callable[[list[int]], None]:
+        """A `release_many` of ``shards[i]`` for each index ``i`` it is given: what an
+        executor calls after each fill with a plan's source shards (a format may look them
+        up once, here, and drop them by columns of ranges)."""
+        def release(indices: list[int]) -> None:
+            self.release_many([shards[index] for index in indices])
+
+        return release
+
     @abstractmethod
     def file_of(self, shard: ShardDesc) -> Path:
         """The file that holds the shard's bytes (for messages)."""
