@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 
@@ -158,5 +159,12 @@ def test_help_and_check_import_only_what_they_need(files):
                 "global_offset": [0, 0], "dtype": "float32"}]}))
     check = [str(files / "ok.aoa"), "--source", str(files / "whole.json"), "--destination",
              str(files / "dst.json")]
+    check_modules = _modules_after(f"from aoa.cli import main\nmain(['check', *{check!r}])")
+    assert check_modules & heavy == {"lark"}
+    # the same source as a safetensors file: its header read, its bytes never
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}})
+    (files / "whole.safetensors").write_bytes(
+        struct.pack("<Q", len(header)) + header.encode() + bytes(64))
+    check[2] = str(files / "whole.safetensors")
     check_modules = _modules_after(f"from aoa.cli import main\nmain(['check', *{check!r}])")
     assert check_modules & heavy == {"lark"}

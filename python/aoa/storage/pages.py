@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import operator
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # imported when pages are first dropped: reading headers needs no numpy
+    import numpy as np
 
 #: Bytes of released ranges held back before their pages are dropped (per mapping).
 BATCH_BYTES = 4 << 20
@@ -54,6 +56,8 @@ class PageRelease:
     def release_columns(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
         """`release_many` of ranges given as two int64 columns (no Python work per range:
         a fill of a checkpoint of small tensors releases thousands at once)."""
+        import numpy as np
+
         if self._mapping is None or not _CAN_DROP or not len(offsets):
             return
         self._columns.append(np.column_stack((offsets, nbytes)))
@@ -65,6 +69,8 @@ class PageRelease:
         """Drop the pages of every pending range now, one call per run of ranges that
         overlap or touch once each begins at its page (worked out with numpy: a batch holds
         tens of thousands of small tensors)."""
+        import numpy as np
+
         ranges, columns = self._ranges, self._columns
         self._ranges, self._columns, self._pending = [], [], 0
         if ranges:

@@ -26,9 +26,7 @@ import operator
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar, cast
-
-import numpy as np
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from aoa.errors import StorageError, quote
 from aoa.inputs import load_json, read_text
@@ -37,6 +35,9 @@ from aoa.limits import MAX_DIMS
 from aoa.storage.chunks import Chunk, ChunkColumns, as_stored, shards_by_key, stored_shards
 from aoa.storage.formats import Source, StoredShards
 from aoa.storage.safetensors import SafetensorsFile, TensorInfo, interned
+
+if TYPE_CHECKING:  # numpy is imported where a conversion needs it: `aoa check` never does
+    import numpy as np
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -97,6 +98,8 @@ class SafetensorsSource(Source[int]):
     def plan_buffers(self, shards: Sequence[ShardDesc]) -> Callable[[list[int]], list[memoryview]]:
         """Rows of ``shards`` looked up once; each call then gathers files and byte ranges
         with numpy, and slices the files' mappings."""
+        import numpy as np
+
         rows = self._plan_rows(shards)
         numbers, offsets, nbytes = self._columns
 
@@ -116,6 +119,8 @@ class SafetensorsSource(Source[int]):
     def plan_release(self, shards: Sequence[ShardDesc]) -> Callable[[list[int]], None]:
         """Rows of ``shards`` looked up once; each release then drops byte ranges per file
         with numpy, no Python work per shard."""
+        import numpy as np
+
         rows = self._plan_rows(shards)
         numbers, offsets, nbytes = self._columns
 
@@ -133,12 +138,16 @@ class SafetensorsSource(Source[int]):
     @functools.cached_property
     def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each row's file number, offset and bytes, as int64 arrays (for plan indices)."""
+        import numpy as np
+
         return (np.array(self._numbers, np.int64), np.array(self._offsets, np.int64),
                 np.array(self._nbytes, np.int64))
 
     def _plan_rows(self, shards: Sequence[ShardDesc]) -> np.ndarray:
         """The row of each shard, -1 where the source holds none (refused when asked); the
         last plan's kept, since its buffers and its releases both ask."""
+        import numpy as np
+
         last = self._last_plan
         if last is not None and last[0] is shards:
             return last[1]
@@ -152,6 +161,8 @@ class SafetensorsSource(Source[int]):
                ) -> np.ndarray:
         """The rows of plan indices ``indices``; a shard the source lacks named as
         `location` names it."""
+        import numpy as np
+
         asked = rows[np.array(indices, np.int64)]
         if len(asked) and asked.min() < 0:
             self.location(shards[indices[int(np.argmin(asked))]])
