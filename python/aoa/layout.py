@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from aoa.dtypes import ITEMSIZES, is_known, itemsize
 from aoa.errors import PlanError, UsageError, quote
+from aoa.frozen import fields_twin
 from aoa.inputs import is_text
 from aoa.limits import shape_problem
 
@@ -59,8 +60,8 @@ class ShardDesc:
         shard = _new_object(_ShardFields)
         shard.key, shard.local_shape, shard.global_shape = key, local_shape, global_shape
         shard.global_offset, shard.dtype = global_offset, dtype
-        shard.__class__ = cls  # type: ignore[assignment]
-        return shard  # type: ignore[return-value]
+        shard.__class__ = cls
+        return shard
 
     @classmethod
     def many_unchecked(cls, keys: Sequence[str], local_shapes: Iterable[tuple[int, ...]],
@@ -115,16 +116,7 @@ _SETTERS = tuple(getattr(ShardDesc, name).__set__ for name in (
     "key", "local_shape", "global_shape", "global_offset", "dtype"))
 
 
-class _ShardFields:
-    """ShardDesc's slots in a plain class, for `ShardDesc.unchecked`."""
-
-    __slots__ = ShardDesc.__slots__
-    key: str
-    local_shape: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-    dtype: str | None
-
+_ShardFields = fields_twin(ShardDesc)
 
 ShardInfo = Mapping[str, Sequence[ShardDesc]]
 

@@ -14,6 +14,7 @@ from operator import sub
 
 from aoa.collector import collector_paused
 from aoa.errors import UsageError, quote
+from aoa.frozen import fields_twin
 from aoa.layout import ShardDesc, as_shard
 from aoa.passes import propagate_shapes, through
 from aoa.passes.plan import Planner
@@ -36,15 +37,7 @@ class ShardMappingEntry:
     postprocess_list: list[str] | None = None
 
 
-class _EntryFields:
-    """ShardMappingEntry's slots in a plain class, for the same reason."""
-
-    __slots__ = ShardMappingEntry.__slots__  # type: ignore[attr-defined]
-    target_slice: ShardDesc
-    source_slice: ShardDesc
-    postprocess_list: list[str] | None
-
-
+_EntryFields = fields_twin(ShardMappingEntry)
 _new_object = object.__new__
 _shard = ShardDesc.unchecked
 
@@ -179,5 +172,5 @@ def _entry(target: ShardDesc, source: ShardDesc, steps: tuple[str, ...] | None
     entry = _new_object(_EntryFields)
     entry.target_slice, entry.source_slice = target, source
     entry.postprocess_list = None if steps is None else list(steps)
-    entry.__class__ = ShardMappingEntry  # type: ignore[assignment]
-    return entry  # type: ignore[return-value]
+    entry.__class__ = ShardMappingEntry
+    return entry
