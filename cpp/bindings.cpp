@@ -65,24 +65,31 @@ PyObject* bus_error_type = nullptr;
   throw py::error_already_set();
 }
 
-// The destinations a table numbers: the buffers themselves, or with `windows` (int64 rows of
-// buffer, offset, bytes) those ranges of them, each checked to lie inside its buffer.
-std::vector<aoa::DestinationBuffer> destination_ranges(
-    const std::vector<aoa::DestinationBuffer>& buffers, const py::object& windows) {
+// The buffers a table numbers on one side (`role`: "source", "destination"): the buffers
+// themselves, or with `windows` (int64 rows of buffer, offset, bytes) those ranges of them,
+// each checked to lie inside its buffer. A source's windows spare a view per tensor: tens
+// of thousands of small tensors lie in a few mapped files.
+template <typename Buffer>
+std::vector<Buffer> buffer_ranges(const std::vector<Buffer>& buffers, const py::object& windows,
+                                  const char* role) {
   if (windows.is_none()) return buffers;
   const py::buffer_info rows = windows.cast<py::buffer>().request();
   if (!rows.item_type_is_equivalent_to<int64_t>() || rows.ndim != 2 || rows.shape[1] != 3 ||
       (rows.shape[0] > 0 && (rows.strides[0] != 24 || rows.strides[1] != 8)))
-    throw py::value_error("the windows must be a contiguous (n, 3) buffer of int64");
+    throw py::value_error(std::string("the ") + role +
+                          " windows must be a contiguous (n, 3) buffer of int64");
   const auto* fields = static_cast<const int64_t*>(rows.ptr);
-  std::vector<aoa::DestinationBuffer> ranges;
+  std::vector<Buffer> ranges;
+  ranges.reserve(static_cast<size_t>(rows.shape[0]));
   for (py::ssize_t i = 0; i < rows.shape[0]; ++i) {
     const int64_t buffer = fields[3 * i], offset = fields[3 * i + 1], size = fields[3 * i + 2];
     if (buffer < 0 || buffer >= static_cast<int64_t>(buffers.size()) || offset < 0 ||
         size < 0 || size > buffers[static_cast<size_t>(buffer)].size - offset)
-      throw py::value_error("window " + std::to_string(i) + " (buffer " + std::to_string(buffer) +
-                            ", offset " + std::to_string(offset) + ", " + std::to_string(size) +
-                            " bytes) does not lie inside a destination buffer");
+      throw py::value_error(std::string(role[0] == 's' ? "source " : "") + "window " +
+                            std::to_string(i) + " (buffer " + std::to_string(buffer) +
+                            ", offset " + std::to_string(offset) + ", " +
+                            std::to_string(size) + " bytes) does not lie inside a " + role +
+                            " buffer");
     ranges.push_back({buffers[static_cast<size_t>(buffer)].data + offset, size});
   }
   return ranges;
@@ -90,7 +97,7 @@ std::vector<aoa::DestinationBuffer> destination_ranges(
 
 void execute_copies(const py::buffer& table, const py::sequence& sources,
                     const py::sequence& destinations, int64_t threads,
-                    const py::object& windows) {
+                    const py::object& windows, const py::object& source_windows) {
   const py::buffer_info fields = table.request();
   if (!fields.item_type_is_equivalent_to<int64_t>() || fields.ndim != 1 ||
       (fields.size > 1 && fields.strides[0] != 8))
@@ -108,7 +115,8 @@ void execute_copies(const py::buffer& table, const py::sequence& sources,
         std::make_unique<ByteView>(destinations[i], "destination " + std::to_string(i), true));
     destination_buffers.push_back({views.back()->data(), views.back()->size()});
   }
-  destination_buffers = destination_ranges(destination_buffers, windows);
+  source_buffers = buffer_ranges(source_buffers, source_windows, "source");
+  destination_buffers = buffer_ranges(destination_buffers, windows, "destination");
 
   try {
     py::gil_scoped_release release;
@@ -139,8 +147,10 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("execute_copies", &execute_copies, py::arg("table"), py::arg("sources"),
         py::arg("destinations"), py::arg("threads") = 1, py::arg("windows") = py::none(),
+        py::arg("source_windows") = py::none(),
         "Run every copy of `table` (int64 records, see cpp/copy_kernel.hpp) from the `sources`\n"
         "buffers into the writable `destinations` (or, with `windows`, int64 rows of buffer,\n"
-        "offset, bytes: those ranges of them), on up to `threads` threads, the GIL released.\n"
+        "offset, bytes: those ranges of them; `source_windows` likewise for the sources), on\n"
+        "up to `threads` threads, the GIL released.\n"
         "Raises CopyError (a ValueError) naming the copy before any byte moves.");
 }

@@ -15,10 +15,11 @@ class BusError(RuntimeError):
     neither), the buffer's index and the byte offset in it. The copies stopped there."""
 
 def execute_copies(table: Any, sources: Sequence[Any], destinations: Sequence[Any],
-                   threads: int = 1, windows: Any = None) -> None:
+                   threads: int = 1, windows: Any = None, source_windows: Any = None) -> None:
     """Run every copy of ``table`` (a contiguous 1-d int64 buffer of records, see
     cpp/copy_kernel.hpp) from the ``sources`` buffers into the writable ``destinations``
     (or, with ``windows``, a contiguous (n, 3) int64 buffer of rows buffer, offset, bytes:
-    those ranges of them, each checked to lie inside its buffer), on up to ``threads``
-    threads, the GIL released. Raises CopyError naming the copy before
-    any byte moves, BusError where a buffer's memory vanished under the copies."""
+    those ranges of them, each checked to lie inside its buffer; ``source_windows`` the
+    same for the sources), on up to ``threads`` threads, the GIL released. Raises
+    CopyError naming the copy before any byte moves, BusError where a buffer's memory
+    vanished under the copies."""

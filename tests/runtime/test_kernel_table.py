@@ -126,6 +126,47 @@ def test_pieces_staged_in_one_buffer_fill_what_the_reference_fills(backend, cut)
         assert buffer[offset + len(expected):offset + len(expected) + 4] == b"\xab" * 4
 
 
+@pytest.mark.parametrize("backend", ["cpp", "numpy"])
+def test_source_windows_read_what_buffers_of_their_own_read(backend):
+    """An executor given a source's windows (a few buffers, a range of one per source
+    shard) fills what it fills from a buffer per shard."""
+    plan, tensors = layered_plan()
+    want = reference.run_plan_on_arrays(plan, tensors)
+    sources = [np.ascontiguousarray(tensors[s.key][tuple(slice(o, o + n) for o, n in zip(
+        s.global_offset, s.local_shape))]) for s in plan.sources]
+    whole = b"\xee" * 3 + b"".join(source.tobytes() for source in sources)  # one "file"
+    starts = np.cumsum([3] + [source.nbytes for source in sources])
+
+    def windows(indices: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+        return [b"", whole], np.stack([np.ones_like(indices), starts[indices],
+                                       starts[indices + 1] - starts[indices]], axis=1)
+
+    executor = PlanExecutor(plan, lambda index: pytest.fail("a buffer asked per shard"),
+                            backend=backend, source_windows=windows)
+    buffer = mmap.mmap(-1, 4096)
+    pieces = staged(plan, list(range(len(plan.destinations))), buffer, None)
+    executor.fill(pieces)
+    for piece in pieces:
+        assert bytes(piece.buffer) == want[piece.shard].tobytes()  # type: ignore[call-overload]
+
+
+def test_a_source_window_is_checked_to_lie_inside_its_buffer():
+    copy = Copy(0, 0, (1,), 0, 0, (1,), (4,), "uint8", "uint8")
+    with pytest.raises(ExecutionError) as caught:
+        cpp_backend.execute_table(pack([copy]), [bytes(4)], [bytearray(4)], 1, None,
+                                  np.array([[0, 1, 4]], np.int64))
+    assert caught.value.message == ("source window 0 (buffer 0, offset 1, 4 bytes) does not "
+                                    "lie inside a source buffer")
+    with pytest.raises(ExecutionError) as caught:  # a copy past its window, inside the buffer
+        cpp_backend.execute_table(pack([copy]), [bytes(8)], [bytearray(4)], 1, None,
+                                  np.array([[0, 2, 3]], np.int64))
+    assert caught.value.message.startswith("copy 0: source region (offset 0, shape (4,)")
+    destination = bytearray(4)
+    cpp_backend.execute_table(pack([copy]), [b"abcdefgh"], [destination], 1, None,
+                              np.array([[0, 3, 4]], np.int64))
+    assert destination == b"defg"
+
+
 def test_a_window_is_checked_to_lie_inside_its_buffer():
     copy = Copy(0, 0, (1,), 0, 0, (1,), (4,), "uint8", "uint8")
     destination = bytearray(8)

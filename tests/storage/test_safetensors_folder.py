@@ -135,6 +135,28 @@ def test_plan_indices_read_and_drop_what_shards_do(tmp_path: Path, monkeypatch) 
     assert storage_error(buffers, [1, 0]) == closed
 
 
+def test_plan_windows_are_the_ranges_plan_buffers_read(tmp_path: Path) -> None:
+    """`plan_windows` gives each file asked once, in file order, and each shard's range in
+    it: the bytes `plan_buffers` reads; a shard the source lacks, or a closed file (the one
+    first asked), named as `plan_buffers` names them."""
+    arrays = {"a": arange(2), "b": arange(3, 5), "c": arange(1)}
+    save_file({"a": arrays["a"], "c": arrays["c"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": arrays["b"]}, tmp_path / "model-00002-of-00002.safetensors")
+    with open_source(tmp_path) as checkpoint:
+        stray = ShardDesc.full("d", (2,), "float32")
+        shards = [checkpoint.shards[key][0] for key in ("c", "b", "a")] + [stray]
+        windows = checkpoint.plan_windows(shards)
+        buffers, rows = windows(np.array([1, 2, 0, 1], np.int64))
+        assert rows.dtype == np.int64 and rows.shape == (4, 3)
+        assert len(buffers) == 2 and rows[:, 0].tolist() == [1, 0, 0, 1]
+        assert [bytes(buffers[b][o:o + n]) for b, o, n in rows.tolist()] == [
+            arrays[key].tobytes() for key in ("b", "a", "c", "b")]
+        message = storage_error(windows, np.array([0, 3], np.int64))
+        assert message == f"{tmp_path}: holds no shard of 'd' at global offset [0]"
+    closed = f"{tmp_path / 'model-00002-of-00002.safetensors'}: closed; cannot read tensor 'b'"
+    assert storage_error(windows, np.array([1, 0], np.int64)) == closed
+
+
 def test_a_closed_source_names_the_file_and_the_tensor_asked(tmp_path: Path) -> None:
     save_file({"a": arange(2)}, tmp_path / "model-00001-of-00002.safetensors")
     save_file({"b": arange(3)}, tmp_path / "model-00002-of-00002.safetensors")

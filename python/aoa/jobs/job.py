@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aoa.block_scales import Quantized, read_scales, without_scales
 from aoa.layout import ShardDesc
@@ -33,6 +34,9 @@ from aoa.plan import Plan
 from aoa.record import FusedRecord, source_record
 from aoa.runtime.executor import PlanExecutor
 from aoa.storage.formats import Source
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ShardInfo = Mapping[str, Sequence[ShardDesc]]
 
@@ -96,6 +100,23 @@ class Job:
 
         return source_buffers
 
+    def source_windows(self, read: dict[int, ShardDesc] | None = None
+                       ) -> Callable[[np.ndarray], tuple[list[memoryview], np.ndarray]] | None:
+        """The source's `plan_windows` of the plan's source shards (None where the format
+        gives a buffer per shard); ``read`` collects the shards asked for."""
+        sources = self.plan.sources
+        windows = self.source.plan_windows(sources)
+        if windows is None or read is None:
+            return windows
+        answer = windows
+
+        def recorded(indices: np.ndarray) -> tuple[list[memoryview], np.ndarray]:
+            listed = indices.tolist()
+            read.update(zip(listed, map(sources.__getitem__, listed)))
+            return answer(indices)
+
+        return recorded
+
     def executor(self, *, backend: str = "cpp", threads: int | None = None,
                  progress: Callable[[int], None] | None = None,
                  read: dict[int, ShardDesc] | None = None,
@@ -111,6 +132,7 @@ class Job:
         release = source.plan_release(plan.sources) if release_pages else None
         return PlanExecutor(plan, self.source_buffer(read), backend=backend, threads=threads,
                             source_buffers=self.source_buffers(read),
+                            source_windows=self.source_windows(read),
                             progress=progress, release=release,
                             clear_untouched=clear_untouched, source_file=source_file)
 

@@ -36,16 +36,19 @@ def execute_copies(
 
 
 def execute_table(table: np.ndarray, sources: Sequence[object], destinations: Sequence[object],
-                  threads: int | None = None, windows: np.ndarray | None = None) -> None:
+                  threads: int | None = None, windows: np.ndarray | None = None,
+                  source_windows: np.ndarray | None = None) -> None:
     """`execute_copies` of copies packed already (`aoa.runtime.kernel_table`); ``windows``,
     when given, an int64 array of (buffer, offset, bytes) rows: the destinations the table
-    numbers are these ranges of ``destinations``, each checked to lie inside its buffer."""
+    numbers are these ranges of ``destinations``, each checked to lie inside its buffer;
+    ``source_windows`` the same for the sources."""
     if threads is None:
         threads = usable_cpus()
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise UsageError(f"threads must be a whole number from 1, not {threads!r}")
     try:
-        _core.execute_copies(table, list(sources), list(destinations), threads, windows)
+        _core.execute_copies(table, list(sources), list(destinations), threads, windows,
+                             source_windows)
     except ValueError as error:
         raise ExecutionError(str(error)) from None
     except _core.BusError as error:

@@ -23,6 +23,8 @@ from aoa.storage.formats import Piece
 from aoa.storage.writer import StagedPieces
 
 Buffer = object
+#: plan indices of source shards -> buffers, and each shard's (buffer, offset, bytes) in them
+SourceWindows = Callable[[np.ndarray], tuple[Sequence[Buffer], np.ndarray]]
 #: the backends: the C++ kernel, and the numpy reference it is checked against
 BACKENDS = ("cpp", "numpy")
 
@@ -40,11 +42,11 @@ class VanishedBuffer(ExecutionError):
 
 
 def _run(backend: str, table: np.ndarray, sources: Sequence[Buffer],
-         destinations: Sequence[Buffer], windows: np.ndarray | None, threads: int | None
-         ) -> None:
+         destinations: Sequence[Buffer], windows: np.ndarray | None, threads: int | None,
+         source_windows: np.ndarray | None = None) -> None:
     """Run the kernel table ``table`` (`aoa.runtime.kernel_table`); ``windows``, when given:
     the destinations the table numbers are these (buffer, offset, bytes) ranges of
-    ``destinations``."""
+    ``destinations``; ``source_windows`` the same for the sources."""
     if backend == "numpy":
         from aoa.runtime.kernel_table import unpack
         from aoa.runtime.numpy_backend import byte_array
@@ -54,11 +56,15 @@ def _run(backend: str, table: np.ndarray, sources: Sequence[Buffer],
             whole = [byte_array(b, f"destination {i}", writable=True)
                      for i, b in enumerate(destinations)]
             destinations = [whole[b][o:o + n] for b, o, n in windows.tolist()]
+        if source_windows is not None:
+            read = [byte_array(b, f"source {i}", writable=False)
+                    for i, b in enumerate(sources)]
+            sources = [read[b][o:o + n] for b, o, n in source_windows.tolist()]
         run_numpy(unpack(table), sources, destinations)
     else:
         from aoa.runtime.cpp_backend import execute_table
 
-        execute_table(table, sources, destinations, threads, windows)
+        execute_table(table, sources, destinations, threads, windows, source_windows)
 
 
 class PlanExecutor:
@@ -66,10 +72,13 @@ class PlanExecutor:
 
     ``source_buffer(i)`` returns the buffer of ``plan.sources[i]`` (C order, its dtype);
     it is asked once per source shard, when a copy first needs it; ``source_buffers``, if
-    given, is asked instead, for all of a fill's new shards at once. ``release(indices)``,
-    if given, is told after a fill, all at once, which source shards to drop the pages of
-    (`aoa.runtime.releases`: those read for the last time, or all those kept once they
-    pass a bound).
+    given, is asked instead, for all of a fill's new shards at once; ``source_windows``, if
+    given, instead of both, for all of a fill's shards (plan indices, an int64 array): a
+    few buffers and a (buffer, offset, bytes) row per shard, the shards' bytes as ranges of
+    those buffers (no view per shard: a plan of small tensors reads tens of thousands).
+    ``release(indices)``, if given, is told after a fill, all at once, which source shards
+    to drop the pages of (`aoa.runtime.releases`: those read for the last time, or all
+    those kept once they pass a bound).
     ``clear_untouched``: zero the pieces of shards no copy writes (``_ -> X``), for
     buffers that are not fresh (a file's staging buffers); else they are left as they are
     (the caller's arrays). ``source_file(i)`` names the file behind source shard ``i``: a
@@ -85,7 +94,8 @@ class PlanExecutor:
                  release: Callable[[list[int]], None] | None = None,
                  clear_untouched: bool = False,
                  source_file: Callable[[int], object] | None = None,
-                 source_buffers: Callable[[list[int]], list[Buffer]] | None = None) -> None:
+                 source_buffers: Callable[[list[int]], list[Buffer]] | None = None,
+                 source_windows: SourceWindows | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (choose from {BACKENDS})")
         self.plan = plan
@@ -94,6 +104,7 @@ class PlanExecutor:
         self.progress = progress
         self._source_buffer = source_buffer
         self._source_buffers = source_buffers
+        self._source_windows = source_windows
         self._source_file = source_file
         self._sources: dict[int, Buffer] = {}
         self._table = PlanTable(plan)
@@ -179,27 +190,36 @@ class PlanExecutor:
                                 records.scales[records.scales >= 0]])
         used, slots = np.unique(table[where], return_inverse=True)
         table[where] = slots
-        used_list = used.tolist()
+        source_windows = None
+        if self._source_windows is not None:
+            sources, source_windows = self._source_windows(used)
+        else:
+            sources = self._buffers(used.tolist())
+        try:
+            _run(self.backend, table, sources, destinations, windows, self.threads,
+                 source_windows)
+        except VanishedBuffer as vanished:
+            if vanished.role != "source" or self._source_file is None:
+                raise
+            index = int(used[vanished.index])
+            shard = plan.sources[index]
+            raise StorageError(
+                f"{self._source_file(index)}: cut short while aoa read "
+                f"it: byte {vanished.offset} of tensor '{shard.key}' is no longer in the file",
+                hint="Something truncated or rewrote the file during the conversion; "
+                     "run it again once the file is whole.") from None
+        return used
+
+    def _buffers(self, used: list[int]) -> list[Buffer]:
+        """The buffers of source shards ``used`` (plan indices), each asked for once."""
         cached = self._sources
-        new = [index for index in used_list if index not in cached]
+        new = [index for index in used if index not in cached]
         if self._source_buffers is not None and new:
             cached.update(zip(new, self._source_buffers(new)))
         else:
             for index in new:
                 cached[index] = self._source_buffer(index)
-        sources = [cached[index] for index in used_list]
-        try:
-            _run(self.backend, table, sources, destinations, windows, self.threads)
-        except VanishedBuffer as vanished:
-            if vanished.role != "source" or self._source_file is None:
-                raise
-            shard = plan.sources[used_list[vanished.index]]
-            raise StorageError(
-                f"{self._source_file(used_list[vanished.index])}: cut short while aoa read "
-                f"it: byte {vanished.offset} of tensor '{shard.key}' is no longer in the file",
-                hint="Something truncated or rewrote the file during the conversion; "
-                     "run it again once the file is whole.") from None
-        return used
+        return [cached[index] for index in used]
 
 
 def _zero(buffer: Buffer) -> None:

@@ -72,12 +72,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar, overload
 
 from aoa.collector import collector_paused
 from aoa.errors import StorageError, UsageError
 from aoa.layout import ShardDesc
 from aoa.storage.folder import OutputFolder, Sharing, write_file
+
+if TYPE_CHECKING:  # the command line's help imports this module, and needs no numpy
+    import numpy as np
 
 #: Every format name aoa knows, in detection order, and the module that implements it.
 FORMAT_MODULES: dict[str, str] = {
@@ -171,6 +174,15 @@ class Source(ABC, Generic[Location]):
             return self.buffers([shards[index] for index in indices])
 
         return buffers
+
+    def plan_windows(self, shards: Sequence[ShardDesc]
+                     ) -> Callable[[np.ndarray], tuple[list[memoryview], np.ndarray]] | None:
+        """Where the bytes of ``shards[i]`` lie, for the plan indices ``i`` it is given (an
+        int64 array): a few buffers (a format's whole files) and a row per index of buffer
+        number, byte offset and bytes in it; what an executor asks a fill's source shards
+        for where a format can say it. None (the default): the format gives a buffer per
+        shard (`plan_buffers`)."""
+        return None
 
     def plan_release(self, shards: Sequence[ShardDesc]) -> Callable[[list[int]], None]:
         """A `release_many` of ``shards[i]`` for each index ``i`` it is given: what an

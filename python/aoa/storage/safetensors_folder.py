@@ -116,6 +116,29 @@ class SafetensorsSource(Source[int]):
 
         return buffers
 
+    def plan_windows(self, shards: Sequence[ShardDesc]
+                     ) -> Callable[[np.ndarray], tuple[list[memoryview], np.ndarray]]:
+        """Rows of ``shards`` looked up once; each call then gathers files and byte ranges
+        with numpy: the files' mappings, and each shard's range in its file's."""
+        import numpy as np
+
+        rows = self._plan_rows(shards)
+        numbers, offsets, nbytes = self._columns
+
+        def windows(indices: np.ndarray) -> tuple[list[memoryview], np.ndarray]:
+            asked = self._asked(rows, shards, indices)
+            files = numbers[asked]
+            used, firsts, buffers = np.unique(files, return_index=True, return_inverse=True)
+            order = np.argsort(firsts, kind="stable")  # each file's first asked, as asked
+            wholes: list[memoryview | None] = [None] * len(used)
+            for slot, number, row in zip(order.tolist(), used[order].tolist(),
+                                         asked[firsts[order]].tolist()):
+                wholes[slot] = self._listed[number].whole(self._names[row])
+            return (cast(list[memoryview], wholes),
+                    np.stack([buffers.reshape(-1), offsets[asked], nbytes[asked]], axis=1))
+
+        return windows
+
     def plan_release(self, shards: Sequence[ShardDesc]) -> Callable[[list[int]], None]:
         """Rows of ``shards`` looked up once; each release then drops byte ranges per file
         with numpy, no Python work per shard."""
@@ -157,8 +180,8 @@ class SafetensorsSource(Source[int]):
         self._last_plan = (shards, rows)
         return rows
 
-    def _asked(self, rows: np.ndarray, shards: Sequence[ShardDesc], indices: list[int]
-               ) -> np.ndarray:
+    def _asked(self, rows: np.ndarray, shards: Sequence[ShardDesc],
+               indices: list[int] | np.ndarray) -> np.ndarray:
         """The rows of plan indices ``indices``; a shard the source lacks named as
         `location` names it."""
         import numpy as np
