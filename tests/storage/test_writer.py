@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -121,12 +122,18 @@ def test_files_started_one_after_another_share_the_buffers(tmp_path_factory, fil
 
 def test_a_failed_fsync_is_raised_once_every_file_is_finished(tmp_path: Path,
                                                               monkeypatch) -> None:
+    """"a" fails its fsync only once "b" has been started (each file finishes on a thread
+    of its own, so without the wait either could fsync first, or "a" fail before "b"
+    starts): "b" is finished all the same, and the failure names "a"."""
     real_fsync = os.fsync
-    synced = []
+    synced: list[str] = []
+    both_started = threading.Event()
 
     def fsync(fd: int) -> None:
-        synced.append(fd)
-        if len(synced) == 1:
+        name = Path(os.readlink(f"/proc/self/fd/{fd}")).name
+        synced.append(name)
+        if name == "a":
+            assert both_started.wait(10)
             raise OSError(errno.EIO, "Input/output error")
         real_fsync(fd)
 
@@ -135,9 +142,10 @@ def test_a_failed_fsync_is_raised_once_every_file_is_finished(tmp_path: Path,
     with pytest.raises(StorageError) as caught, StagingBuffers(2, 2 * ALIGNMENT) as buffers:
         for name in ("a", "b"):
             start_file(tmp_path / name, layout, Recorder(layout), buffers)
+        both_started.set()
         buffers.finish()
     assert caught.value.message == f"{tmp_path / 'a'}: cannot write: Input/output error"
-    assert len(synced) == 2  # the second file was finished all the same
+    assert sorted(synced) == ["a", "b"]  # the second file was finished all the same
     assert (tmp_path / "b").read_bytes() == expected(layout)
 
 
