@@ -76,6 +76,27 @@ class ShardDesc:
             collections.deque(map(setter, shards, column), maxlen=0)
         return shards
 
+    @classmethod
+    def grouped_unchecked(cls, keys: Iterable[str],
+                          boxes: Iterable[Iterable[tuple[tuple[int, ...], tuple[int, ...],
+                                                         tuple[int, ...], str | None]]]
+                          ) -> dict[str, list[ShardDesc]]:
+        """{key: [`unchecked` of each (local shape, global shape, global offset, dtype) of
+        its boxes]} for descriptions checked in bulk (shard-info JSON): one loop of plain
+        slot stores, two thirds of the cost of `many_unchecked`'s setter calls."""
+        new, fields = _new_object, _ShardFields
+        grouped: dict[str, list[ShardDesc]] = {}
+        for key, rows in zip(keys, boxes):
+            shards = grouped[key] = []
+            append = shards.append
+            for local_shape, global_shape, global_offset, dtype in rows:
+                shard = new(fields)
+                shard.key, shard.local_shape, shard.global_shape = key, local_shape, global_shape
+                shard.global_offset, shard.dtype = global_offset, dtype
+                shard.__class__ = cls
+                append(shard)
+        return grouped
+
     @property
     def numel(self) -> int:
         return prod(self.local_shape)
