@@ -77,7 +77,8 @@ def _plain_keys(keys: Sequence[str]) -> bool:
     """Keys written as they are (no quote: each was cut at its first one; no escape: the
     text has no backslash), holding no control character and no lone surrogate."""
     joined = "".join(keys)
-    return _CONTROL.search(joined) is None and (joined.isascii() or is_text(joined))
+    return ((joined.isprintable() or _CONTROL.search(joined) is None)  # the first is quick
+            and (joined.isascii() or is_text(joined)))
 
 
 def _parse_list(text: str, key: str, bodies: dict[str, tuple[_Box, bool] | None]
