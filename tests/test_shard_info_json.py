@@ -254,3 +254,22 @@ def test_other_texts_are_left_to_parsing(text, tmp_path):
     assert read_regular_shard_info(text) is None
     assert read_as_the_command_does(tmp_path, text) == parsed_and_checked(
         text, str(tmp_path / "info.json"))
+
+
+def test_lists_of_shard_descriptions_are_taken_in_new_lists_and_checked_as_before():
+    w = [ShardDesc("w", (1,), (2,), (0,)), ShardDesc("w", (1,), (2,), (1,))]
+    v = [ShardDesc.full("v", (3,), "int8")]
+    info = {"w": w, "v": v}
+    found = normalize_shard_info(info, "destination")
+    assert found == info and found["w"] is not w and list(found) == ["w", "v"]
+    for wrong, message in [
+        ({"w": w, "v": []}, "destination shard info lists no shard of 'v'"),
+        ({"w": w, "u": v}, "destination shard listed under 'u' describes 'v'"),
+        ({"w": [w[0], {"key": "x", "local_shape": [1], "global_shape": [1],
+                       "global_offset": [0]}]}, "destination shard listed under 'w' describes 'x'"),
+    ]:
+        with pytest.raises(aoa.UsageError) as caught:
+            normalize_shard_info(wrong, "destination")
+        assert caught.value.message == message
+    mixed = normalize_shard_info({"w": (w[0], w[1].to_json())}, "destination")
+    assert mixed == {"w": w}

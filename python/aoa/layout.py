@@ -206,6 +206,9 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
     if not isinstance(info, Mapping):
         raise UsageError(f"{what} shard info must map keys to lists of shards, not "
                          f"{quote(info)}")
+    already = _checked_already(info)
+    if already is not None:
+        return already
     result: dict[str, list[ShardDesc]] = {}
     shapes_known: set[tuple[tuple[int, ...], str | None]] = set()
     for key, shards in info.items():
@@ -222,6 +225,26 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
                                  f"{quote(shard.key)}")
         result[key] = converted
     return result
+
+
+def _checked_already(info: Mapping) -> dict[str, list[ShardDesc]] | None:
+    """``info`` in new lists where it is what `normalize_shard_info` makes (lists of
+    ShardDesc, checked when made, none empty, each shard under its own key), found in a few
+    C-level passes with no Python call per shard: what `read_shard_info`, `open_source` and
+    `aoa.compile`'s callers hand over. None where anything else is in it."""
+    keys, lists = list(info), list(info.values())
+    if not _LIST_ONLY.issuperset(map(type, lists)) or not all(lists):
+        return None
+    shards = list(itertools.chain.from_iterable(lists))
+    if not _SHARD_DESC_ONLY.issuperset(map(type, shards)) or list(map(_KEY, shards)) != list(
+            itertools.chain.from_iterable(map(itertools.repeat, keys, map(len, lists)))):
+        return None
+    return dict(zip(keys, map(list.copy, lists)))
+
+
+_LIST_ONLY = frozenset({list})
+_SHARD_DESC_ONLY = frozenset({ShardDesc})
+_KEY = operator.attrgetter("key")
 
 
 def _from_plain_json(key: str, shards: object,
