@@ -53,7 +53,9 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
     core = text.strip(_JSON_SPACE)
     if not (core.startswith('{"') and core.endswith("}]}")) or "\\" in core:
         return None
-    entries = core[2:-3].split(_BETWEEN_KEYS)  # each: K": [{"key": "K", ... "dtype": "x"
+    entries = core.split(_BETWEEN_KEYS)  # each: K": [{"key": "K", ... "dtype": "x"
+    entries[0] = entries[0][2:]  # less `{"`
+    entries[-1] = entries[-1][:-3]  # less `}]}`
     keys = list(map(operator.itemgetter(0), map(str.partition, entries,
                                                 itertools.repeat('"'))))
     if len(set(keys)) != len(keys) or not _plain_keys(keys):
