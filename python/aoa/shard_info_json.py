@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from aoa.dtypes import is_known, itemsize
 from aoa.inputs import is_text
-from aoa.layout import ShardDesc
+from aoa.layout import ShardDesc, ShardRow
 from aoa.limits import shape_problem
 
 _JSON_SPACE = " \t\n\r"
@@ -42,9 +42,8 @@ _BETWEEN_KEYS = '}], "'
 _LIST_OPENS = '": ['
 _SHARD_OPENS, _KEY_CLOSES = '{"key": "', '", "local_shape": ['
 
-_Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], "str | None"]
 #: A template's pieces (its key's text is the key joined with them) and its shards' boxes.
-_Template = tuple[list[str], list[_Box]]
+_Template = tuple[list[str], list[ShardRow]]
 
 
 def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
@@ -61,7 +60,7 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
     if len(set(keys)) != len(keys) or not _plain_keys(keys):
         return None
     templates = list(map(str.replace, entries, keys, itertools.repeat("")))
-    bodies: dict[str, tuple[_Box, bool] | None] = {}
+    bodies: dict[str, tuple[ShardRow, bool] | None] = {}
     parsed = {template: _parse_list(template, "", bodies)
               for template in dict.fromkeys(templates)}
     boxes = []
@@ -83,7 +82,7 @@ def _plain_keys(keys: Sequence[str]) -> bool:
             and (joined.isascii() or is_text(joined)))
 
 
-def _parse_list(text: str, key: str, bodies: dict[str, tuple[_Box, bool] | None]
+def _parse_list(text: str, key: str, bodies: dict[str, tuple[ShardRow, bool] | None]
                 ) -> _Template | None:
     """The boxes of a key's text (``key`` ``": [`` then its shards) and its pieces (joined
     by ``key`` they give ``text`` back); None if it is not a list of shards in the form.
@@ -106,7 +105,7 @@ def _parse_list(text: str, key: str, bodies: dict[str, tuple[_Box, bool] | None]
     return pieces, boxes
 
 
-def _parse_body(body: str) -> tuple[_Box, bool] | None:
+def _parse_body(body: str) -> tuple[ShardRow, bool] | None:
     """A shard's boxes and dtype, and whether another shard follows, checked as `ShardDesc`
     checks a description; None if it is not one."""
     match = _BODY.fullmatch(body)
