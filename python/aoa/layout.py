@@ -187,7 +187,15 @@ def split_optimizer_suffix(key: str) -> tuple[str, str | None]:
 
 
 def model_state_keys(info: ShardInfo | None) -> frozenset[str]:
-    return frozenset([split_optimizer_suffix(key)[0] for key in info or ()])
+    """The keys less their optimizer suffixes; keys without one (the usual: all of a model's
+    weights) found in one C-level pass and taken as they are."""
+    keys = list(info or ())
+    suffixed = list(itertools.compress(keys, map(str.endswith, keys,
+                                                 itertools.repeat(OPTIMIZER_SUFFIXES))))
+    if not suffixed:
+        return frozenset(keys)
+    return frozenset(keys).difference(suffixed).union(
+        [split_optimizer_suffix(key)[0] for key in suffixed])
 
 
 def shard_count(info: ShardInfo | None, key: str) -> tuple[int | None, dict[str, int]]:
