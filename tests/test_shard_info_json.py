@@ -273,3 +273,16 @@ def test_lists_of_shard_descriptions_are_taken_in_new_lists_and_checked_as_befor
         assert caught.value.message == message
     mixed = normalize_shard_info({"w": (w[0], w[1].to_json())}, "destination")
     assert mixed == {"w": w}
+
+
+def test_keys_of_their_own_templates_are_left_to_parsing_and_read_right(tmp_path):
+    """Each key of another shape: a template each, more costly to parse here than with
+    json.loads; 4 keys a template (the same shapes again and again) are read here."""
+    info = {f"w{i}": [{"key": f"w{i}", "local_shape": [i // 4 + 1], "global_shape": [i // 4 + 1],
+                       "global_offset": [0], "dtype": "int8"}] for i in range(400)}
+    several = json.dumps(info)
+    assert assert_read_as_parsed(several) is not None
+    own = json.dumps({key: [dict(shards[0], local_shape=[n], global_shape=[n])]
+                      for n, (key, shards) in enumerate(info.items(), start=1)})
+    assert read_regular_shard_info(own) is None
+    assert read_as_the_command_does(tmp_path, own) == parsed_and_checked(own)

@@ -11,8 +11,8 @@ in (a key whose text holds it elsewhere too, as `1` or `shape` may, is split on 
 so the whole text is that form of what is returned: nothing is skipped or misread.
 
 Anything else (other spacing, escapes, another field order, a key listed twice, a shard
-that fails a check) returns None: the caller reads the text with `json.loads` and checks
-each description, whose errors say what is wrong and where.
+that fails a check, keys that share few templates) returns None: the caller reads the text
+with `json.loads` and checks each description, whose errors say what is wrong and where.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ _BETWEEN_KEYS = '}], "'
 _LIST_OPENS = '": ['
 _SHARD_OPENS, _KEY_CLOSES = '{"key": "', '", "local_shape": ['
 
+#: Up to this many templates are always parsed; more only where keys share them four to one
+#: or more (a template parsed here costs about what json.loads takes for two keys' text).
+_FEW_TEMPLATES = 64
 #: A template's pieces (its key's text is the key joined with them) and its shards' boxes.
 _Template = tuple[list[str], list[ShardRow]]
 
@@ -60,9 +63,11 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
     if len(set(keys)) != len(keys) or not _plain_keys(keys):
         return None
     templates = list(map(str.replace, entries, keys, itertools.repeat("")))
+    distinct = dict.fromkeys(templates)
+    if len(distinct) > _FEW_TEMPLATES and len(distinct) * 4 > len(keys):
+        return None  # parsed one by one here, they would cost more than json.loads
     bodies: dict[str, tuple[ShardRow, bool] | None] = {}
-    parsed = {template: _parse_list(template, "", bodies)
-              for template in dict.fromkeys(templates)}
+    parsed = {template: _parse_list(template, "", bodies) for template in distinct}
     boxes = []
     for key, entry, template in zip(keys, entries, templates):
         found = parsed[template]
@@ -111,14 +116,17 @@ def _parse_body(body: str) -> tuple[ShardRow, bool] | None:
     match = _BODY.fullmatch(body)
     if match is None:
         return None
-    local, total, offset = (tuple(map(int, box.split(", "))) if box else ()
-                            for box in match.group(1, 2, 3))
-    dtype = match[4]
+    local_text, total_text, offset_text, dtype, follows = match.groups()
+    local, total, offset = _box(local_text), _box(total_text), _box(offset_text)
     if not (len(local) == len(total) == len(offset)
-            and all(o + n <= t for o, n, t in zip(offset, local, total))):
+            and all(map(operator.le, map(operator.add, offset, local), total))):
         return None
     if dtype is not None and not is_known(dtype):
         return None
     if shape_problem(total, itemsize(dtype or "float32")) is not None:
         return None
-    return (local, total, offset, dtype), match[5] is not None
+    return (local, total, offset, dtype), follows is not None
+
+
+def _box(text: str) -> tuple[int, ...]:
+    return tuple(map(int, text.split(", "))) if text else ()
