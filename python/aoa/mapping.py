@@ -16,6 +16,7 @@ from aoa.collector import collector_paused
 from aoa.errors import UsageError, quote
 from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc, normalize_shard_info
+from aoa.shard_info_json import read_regular_shard_info
 
 
 class MappingText(NamedTuple):
@@ -63,11 +64,17 @@ def as_mapping(mapping: object) -> MappingText:
 
 def read_shard_info(path: str | os.PathLike[str] | None, what: str
                     ) -> dict[str, list[ShardDesc]] | None:
-    """Shard-info JSON: {key: [{key, local_shape, global_shape, global_offset, dtype}, ...]}."""
+    """Shard-info JSON: {key: [{key, local_shape, global_shape, global_offset, dtype}, ...]};
+    in `json.dumps`'s form read without a JSON parser (`aoa.shard_info_json`), otherwise
+    parsed and each description checked, whose errors name the file."""
     if path is None:
         return None
     with collector_paused():  # hundreds of thousands of objects, no cycles
-        data = load_json(read_text(path, f"{what} shard info"), str(path))
+        text = read_text(path, f"{what} shard info")
+        info = read_regular_shard_info(text)
+        if info is not None:
+            return info
+        data = load_json(text, str(path))
         if not isinstance(data, dict):
             raise UsageError(f"{path}: expected an object mapping keys to lists of shards")
         try:
