@@ -303,26 +303,3 @@ def test_buffers_of_whole_blocks() -> None:
         StagingBuffers(2, ALIGNMENT + 1)
     assert writer.BUFFER_BYTES % ALIGNMENT == 0
 
-
-def test_layouts_ahead_in_turn_and_their_errors_in_theirs() -> None:
-    """`LayoutsAhead` hands out each file's layout in order, the next one made meanwhile;
-    a layout that raises raises from `next` when its turn comes, not before."""
-    from aoa.storage.formats import OutputFile
-
-    files = [OutputFile(f"f{n}", (n,), 8) for n in range(3)]
-    asked = []
-
-    def layout(file: OutputFile) -> FileLayout:
-        asked.append(file.filename)
-        if file.filename == "f2":
-            raise StorageError("f2: cannot be laid out")
-        return FileLayout(8, [(0, file.filename.encode())], [])
-
-    with writer.LayoutsAhead(layout, files) as layouts:
-        assert layouts.next().fixed == [(0, b"f0")]
-        assert layouts.next().fixed == [(0, b"f1")]
-        with pytest.raises(StorageError, match="f2: cannot be laid out"):
-            layouts.next()
-    assert asked == ["f0", "f1", "f2"]
-    with writer.LayoutsAhead(layout, []):
-        pass  # nothing to lay out, nothing started

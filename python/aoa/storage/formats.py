@@ -358,20 +358,14 @@ class Destination(ABC):
         """Fill and finish ``files`` (default: all; or one rank's share) in the staging
         folder; the paths they will have once published. A failure leaves none of them
         (and, for a process writing alone, nothing at all)."""
-        from aoa.storage.writer import LayoutsAhead, StagingBuffers
+        from aoa.storage.writer import StagingBuffers
 
         self.output.open(self.output.sharing)
         chosen = self.files if files is None else list(files)
-        laid_out = type(self).write_file is Destination.write_file  # (not its own way)
         try:
-            with StagingBuffers() as buffers, LayoutsAhead(
-                    self.layout, chosen if laid_out else []) as layouts:
+            with StagingBuffers() as buffers:
                 for file in chosen:
-                    path = self.output.stage(file.filename)
-                    if laid_out:
-                        self._write_laid_out(path, layouts.next(), fill, buffers)
-                    else:
-                        self.write_file(path, file, fill, buffers)
+                    self.write_file(self.output.stage(file.filename), file, fill, buffers)
                 if not all(buffers.finish()):
                     self._refused()
         except BaseException:
@@ -382,16 +376,11 @@ class Destination(ABC):
     def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object) -> None:
         """Write ``file`` at ``path`` (in the staging folder) as `layout` says: every byte
         handed to the writers when this returns, the file finishing (fsync) while the next
-        one is filled; ``write`` waits for them all (and lays each next file out while
-        this one is filled, `aoa.storage.writer.LayoutsAhead`)."""
-        self._write_laid_out(path, self.layout(file), fill, buffers)
-
-    def _write_laid_out(self, path: Path, layout: FileLayout, fill: Fill,
-                        buffers: object) -> None:
+        one is filled; ``write`` waits for them all."""
         from aoa.storage.writer import StagingBuffers, start_file
 
         assert isinstance(buffers, StagingBuffers)
-        started = start_file(path, layout, fill, buffers, direct=self.direct)
+        started = start_file(path, self.layout(file), fill, buffers, direct=self.direct)
         if not started.direct:
             self._refused()
 

@@ -34,14 +34,14 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, overload
 
 import numpy as np
 
 from aoa.errors import StorageError
-from aoa.storage.formats import FileLayout, Fill, OutputFile, Piece, ShardSpans
+from aoa.storage.formats import FileLayout, Fill, Piece, ShardSpans
 
 #: Offsets, lengths and buffer addresses of direct writes are multiples of this.
 ALIGNMENT = 4096
@@ -113,54 +113,6 @@ class StagingBuffers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class LayoutsAhead:
-    """The layouts of ``files`` in turn (`next`), each next one made on a thread of its own
-    while the caller fills the one before: the kernel's copies release the GIL, and laying
-    out a file of 30k small tensors (its header, a string or two per tensor) took as long
-    as filling it. A layout that raises, raises from `next`, in its turn; leaving the
-    ``with`` block waits for the layout under way."""
-
-    def __init__(self, layout: Callable[[OutputFile], FileLayout],
-                 files: Sequence[OutputFile]) -> None:
-        self._layout = layout
-        self._files = list(files)
-        self._done = 0  # files handed out by `next`
-        self._thread: threading.Thread | None = None
-        self._result: FileLayout | BaseException | None = None
-
-    def next(self) -> FileLayout:
-        """The next file's layout; the one after it is started meanwhile."""
-        if self._thread is None:
-            self._run(self._files[self._done])
-        else:
-            self._thread.join()
-            self._thread = None
-        result, self._result = self._result, None
-        self._done += 1
-        if isinstance(result, BaseException):
-            raise result
-        assert result is not None
-        if self._done < len(self._files):
-            self._thread = threading.Thread(target=self._run, args=(self._files[self._done],),
-                                            name="aoa-layout", daemon=True)
-            self._thread.start()
-        return result
-
-    def _run(self, file: OutputFile) -> None:
-        try:
-            self._result = self._layout(file)
-        except BaseException as error:  # raised by `next`, in the caller's thread
-            self._result = error
-
-    def __enter__(self) -> LayoutsAhead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
 
 
 def write_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffers, *,
