@@ -64,34 +64,42 @@ class AOAEngine:
                              hint="Write [\"a -> b\", ...], as Paddle takes it.")
         self.statements: Sequence[str] = list(statements)
         self.reverse = bool(aoa_config.get("aoa_config_reverse", False))
-        ctx = new_context(source_state_shard_info, destination_state_shard_info, self.reverse)
-        self.source = ctx.source
-        self.destination = ctx.destination
-        self.compilation = compile_in(ctx, self.statements, passes=through(propagate_shapes))
-        self._planner = Planner(self.compilation.tensors, ctx)
         #: ops of a piece -> Paddle's postprocess list of them, as a tuple
         self._postprocess: dict[tuple[Op, ...], tuple[str, ...]] = {}
         #: destination key -> its declared shards, the parts of each one's Paddle entries
         #: (None: declared with `_ -> X`, no entries) and the keys their slots read
         self._planned: dict[str, tuple[list[ShardDesc], list[list[_EntryForm]] | None,
                                        Sequence[str]]] = {}
+        # one pause of the collector for all of the construction: each pause ends with a
+        # collection of what was made in it, and the descriptions read first are made by
+        # the hundred
+        with collector_paused():
+            self._build(source_state_shard_info, destination_state_shard_info)
+
+    def _build(self, source_state_shard_info: Mapping,
+               destination_state_shard_info: Mapping | None) -> None:
+        """Compile, then answer (so check) every destination shard."""
+        ctx = new_context(source_state_shard_info, destination_state_shard_info, self.reverse)
+        self.source = ctx.source
+        self.destination = ctx.destination
+        self.compilation = compile_in(ctx, self.statements, passes=through(propagate_shapes))
+        self._planner = Planner(self.compilation.tensors, ctx)
         if self.destination is None:
             return
-        with collector_paused():
-            # every shard answered (so checked) here: wrong programs are refused before
-            # any byte moves, not at the query that hits them; the entries' parts are made
-            # here too, not query by query: objects by the hundred thousand that outlive
-            # the queries would set the collector walking them in the middle of them
-            answered = self._planner.answer_declared()
-            forms: dict[int, list[list[_EntryForm]]] = {}  # by id of a key's answers
-            for key, shards in self.destination.items():
-                answers, read_keys = answered.get(key, (None, ()))
-                key_forms = None
-                if answers is not None:  # keys laid out alike share their answers
-                    key_forms = forms.get(id(answers))
-                    if key_forms is None:
-                        key_forms = forms[id(answers)] = [self._form(a) for a in answers]
-                self._planned[key] = (shards, key_forms, read_keys)
+        # every shard answered (so checked) here: wrong programs are refused before any
+        # byte moves, not at the query that hits them; the entries' parts are made here
+        # too, not query by query: objects by the hundred thousand that outlive the
+        # queries would set the collector walking them in the middle of them
+        answered = self._planner.answer_declared()
+        forms: dict[int, list[list[_EntryForm]]] = {}  # by id of a key's answers
+        for key, shards in self.destination.items():
+            answers, read_keys = answered.get(key, (None, ()))
+            key_forms = None
+            if answers is not None:  # keys laid out alike share their answers
+                key_forms = forms.get(id(answers))
+                if key_forms is None:
+                    key_forms = forms[id(answers)] = [self._form(a) for a in answers]
+            self._planned[key] = (shards, key_forms, read_keys)
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
         try:  # the planned destination shard equal to ``target`` (a descriptor of any class)
