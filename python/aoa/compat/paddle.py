@@ -38,6 +38,7 @@ class ShardMappingEntry:
 
 
 _EntryFields = fields_twin(ShardMappingEntry)
+_ShardFields = fields_twin(ShardDesc)
 _new_object = object.__new__
 _shard = ShardDesc.unchecked
 
@@ -127,16 +128,14 @@ class AOAEngine:
             slot, _, _, source_lo, source_size, steps = form[0]
             source_key = read_keys[slot]
             read = source[source_key][0]
-            return [_entry(shard, _shard(source_key, source_size, read.global_shape, source_lo,
-                                         read.dtype), steps)]
+            return [_read_entry(shard, source_key, source_size, read, source_lo, steps)]
         result = []
         key, global_shape, dtype = shard.key, shard.global_shape, shard.dtype
         for slot, target_lo, target_size, source_lo, source_size, steps in form:
             source_key = read_keys[slot]
-            read = source[source_key][0]
-            result.append(_entry(_shard(key, target_size, global_shape, target_lo, dtype),
-                                 _shard(source_key, source_size, read.global_shape, source_lo,
-                                        read.dtype), steps))
+            result.append(_read_entry(_shard(key, target_size, global_shape, target_lo, dtype),
+                                      source_key, source_size, source[source_key][0],
+                                      source_lo, steps))
         return result
 
     def _form(self, answer: Sequence[Entry]) -> list[_EntryForm]:
@@ -177,6 +176,24 @@ class AOAEngine:
 def _entry(target: ShardDesc, source: ShardDesc, steps: tuple[str, ...] | None
            ) -> ShardMappingEntry:
     """A ShardMappingEntry, its postprocess list a new list of ``steps`` (None: none)."""
+    entry = _new_object(_EntryFields)
+    entry.target_slice, entry.source_slice = target, source
+    entry.postprocess_list = None if steps is None else list(steps)
+    entry.__class__ = ShardMappingEntry
+    return entry
+
+
+def _read_entry(target: ShardDesc, source_key: str, source_size: tuple[int, ...],
+                read: ShardDesc, source_lo: tuple[int, ...], steps: tuple[str, ...] | None
+                ) -> ShardMappingEntry:
+    """`_entry` of a planned piece: its source descriptor (of ``source_key``, laid out as
+    the source's ``read``) made here with the entry, by plain stores, as
+    `ShardDesc.unchecked` makes one (a query makes these by the hundred thousand)."""
+    source = _new_object(_ShardFields)
+    source.key, source.local_shape, source.global_shape = (source_key, source_size,
+                                                           read.global_shape)
+    source.global_offset, source.dtype = source_lo, read.dtype
+    source.__class__ = ShardDesc
     entry = _new_object(_EntryFields)
     entry.target_slice, entry.source_slice = target, source
     entry.postprocess_list = None if steps is None else list(steps)
