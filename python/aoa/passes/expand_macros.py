@@ -14,6 +14,7 @@ import functools
 import itertools
 import math
 import re
+import string
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -28,10 +29,16 @@ LAYER_ID_OFFSET = "$LAYER_ID_OFFSET"
 
 
 _LAST_DIGIT = re.compile(r".*\d", re.DOTALL)
+#: what the text past a key's last digit is mostly made of: stripped first, the rest of the
+#: key then ends with that digit, or has none (`\d` and `str.isdecimal` both mean Nd)
+_WORD_CHARACTERS = string.ascii_letters + "._"
 
 
 def _tail(text: str) -> str:
     """What follows the last digit of ``text`` (all of it, where it has none)."""
+    kept = text.rstrip(_WORD_CHARACTERS)
+    if not kept or kept[-1].isdecimal():
+        return text[len(kept):]
     found = _LAST_DIGIT.match(text)
     return text[found.end():] if found else text
 
@@ -53,8 +60,13 @@ class _SortedKeys:
         by_tail: dict[str, list[str]] = {}
         last_digit = _LAST_DIGIT.match  # `_tail`, inline: a model has 100k keys
         for key in self.keys:
-            found = last_digit(key)
-            by_tail.setdefault(key[found.end():] if found else key, []).append(key)
+            kept = key.rstrip(_WORD_CHARACTERS)
+            if not kept or kept[-1].isdecimal():
+                tail = key[len(kept):]
+            else:
+                found = last_digit(key)
+                tail = key[found.end():] if found else key
+            by_tail.setdefault(tail, []).append(key)
         return by_tail
 
     def ending_as(self, suffix: str) -> list[str]:

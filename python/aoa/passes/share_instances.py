@@ -144,9 +144,10 @@ class _Sharing:
         one whose keys are laid out alike."""
         first = run[0]
         # Instances of one expansion share their attributes and the written statement they
-        # came from, and so their counts of names and where ^T is (compared by value: equal
-        # written statements expand alike)
-        alike = (first.attributes, first.written(), len(first.left), len(first.right),
+        # came from, and so their counts of names and where ^T is. The written statement
+        # is told by identity, not hashed name by name: two equal ones write the same keys,
+        # so their instances are never independent, and sharing never meets both
+        alike = (first.attributes, id(first.written()), len(first.left), len(first.right),
                  tuple([len(n.text) != len(b) for n, b in zip(first.left, bases[0])]))
         signatures: Iterable[tuple]
         if len(bases[0]) == 1 and len(texts[0]) == 1:  # the usual: a rename's instances
