@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aoa.frozen import fields_twin
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class SourceText:
     """One unit of AOA text: a `.aoa` file, or one statement string of a list."""
 
@@ -21,7 +23,7 @@ class SourceText:
 _SHOWN_COLUMNS, _CONTEXT_COLUMNS = 120, 40
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Span:
     """A region of a SourceText: 1-based line and column, end exclusive."""
 
@@ -30,13 +32,6 @@ class Span:
     column: int
     end_line: int
     end_column: int
-
-    def __init__(self, source: SourceText, line: int, column: int, end_line: int,
-                 end_column: int) -> None:
-        # one update, not the generated object.__setattr__ per field: every name and
-        # statement parsed gets a span
-        self.__dict__.update(source=source, line=line, column=column, end_line=end_line,
-                             end_column=end_column)
 
     def location(self) -> str:
         return f"{self.source.name}:{self.line}:{self.column}"
@@ -58,3 +53,27 @@ class Span:
 
     def __repr__(self) -> str:
         return f"Span({self.location()})"
+
+
+_SpanFields = fields_twin(Span)
+_SourceTextFields = fields_twin(SourceText)
+_new_object = object.__new__
+
+
+def make_span(source: SourceText, line: int, column: int, end_line: int,
+              end_column: int) -> Span:
+    """``Span(...)`` by plain stores (`aoa.frozen`): every name and statement parsed gets
+    one, the generated constructor sets the five fields a call each."""
+    span = _new_object(_SpanFields)
+    span.source, span.line, span.column = source, line, column
+    span.end_line, span.end_column = end_line, end_column
+    span.__class__ = Span
+    return span
+
+
+def make_source_text(name: str, text: str) -> SourceText:
+    """``SourceText(name, text)`` by plain stores: one per statement string of a list."""
+    source = _new_object(_SourceTextFields)
+    source.name, source.text = name, text
+    source.__class__ = SourceText
+    return source

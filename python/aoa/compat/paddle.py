@@ -8,6 +8,7 @@ engine raises an AoaError instead (spec 0.3); queries never change state (spec 0
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import sub
@@ -38,6 +39,7 @@ class ShardMappingEntry:
 
 
 _EntryFields = fields_twin(ShardMappingEntry)
+_ShardFields = fields_twin(ShardDesc)
 _new_object = object.__new__
 _shard = ShardDesc.unchecked
 
@@ -64,34 +66,42 @@ class AOAEngine:
                              hint="Write [\"a -> b\", ...], as Paddle takes it.")
         self.statements: Sequence[str] = list(statements)
         self.reverse = bool(aoa_config.get("aoa_config_reverse", False))
-        ctx = new_context(source_state_shard_info, destination_state_shard_info, self.reverse)
-        self.source = ctx.source
-        self.destination = ctx.destination
-        self.compilation = compile_in(ctx, self.statements, passes=through(propagate_shapes))
-        self._planner = Planner(self.compilation.tensors, ctx)
         #: ops of a piece -> Paddle's postprocess list of them, as a tuple
         self._postprocess: dict[tuple[Op, ...], tuple[str, ...]] = {}
         #: destination key -> its declared shards, the parts of each one's Paddle entries
         #: (None: declared with `_ -> X`, no entries) and the keys their slots read
         self._planned: dict[str, tuple[list[ShardDesc], list[list[_EntryForm]] | None,
                                        Sequence[str]]] = {}
+        # one pause of the collector for all of the construction, whose objects then join
+        # the oldest generation (`_as_long_lived`)
+        with collector_paused():
+            self._build(source_state_shard_info, destination_state_shard_info)
+            _as_long_lived()
+
+    def _build(self, source_state_shard_info: Mapping,
+               destination_state_shard_info: Mapping | None) -> None:
+        """Compile, then answer (so check) every destination shard."""
+        ctx = new_context(source_state_shard_info, destination_state_shard_info, self.reverse)
+        self.source = ctx.source
+        self.destination = ctx.destination
+        self.compilation = compile_in(ctx, self.statements, passes=through(propagate_shapes))
+        self._planner = Planner(self.compilation.tensors, ctx)
         if self.destination is None:
             return
-        with collector_paused():
-            # every shard answered (so checked) here: wrong programs are refused before
-            # any byte moves, not at the query that hits them; the entries' parts are made
-            # here too, not query by query: objects by the hundred thousand that outlive
-            # the queries would set the collector walking them in the middle of them
-            answered = self._planner.answer_declared()
-            forms: dict[int, list[list[_EntryForm]]] = {}  # by id of a key's answers
-            for key, shards in self.destination.items():
-                answers, read_keys = answered.get(key, (None, ()))
-                key_forms = None
-                if answers is not None:  # keys laid out alike share their answers
-                    key_forms = forms.get(id(answers))
-                    if key_forms is None:
-                        key_forms = forms[id(answers)] = [self._form(a) for a in answers]
-                self._planned[key] = (shards, key_forms, read_keys)
+        # every shard answered (so checked) here: wrong programs are refused before any
+        # byte moves, not at the query that hits them; the entries' parts are made here
+        # too, not query by query: objects by the hundred thousand that outlive the
+        # queries would set the collector walking them in the middle of them
+        answered = self._planner.answer_declared()
+        forms: dict[int, list[list[_EntryForm]]] = {}  # by id of a key's answers
+        for key, shards in self.destination.items():
+            answers, read_keys = answered.get(key, (None, ()))
+            key_forms = None
+            if answers is not None:  # keys laid out alike share their answers
+                key_forms = forms.get(id(answers))
+                if key_forms is None:
+                    key_forms = forms[id(answers)] = [self._form(a) for a in answers]
+            self._planned[key] = (shards, key_forms, read_keys)
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
         try:  # the planned destination shard equal to ``target`` (a descriptor of any class)
@@ -119,16 +129,14 @@ class AOAEngine:
             slot, _, _, source_lo, source_size, steps = form[0]
             source_key = read_keys[slot]
             read = source[source_key][0]
-            return [_entry(shard, _shard(source_key, source_size, read.global_shape, source_lo,
-                                         read.dtype), steps)]
+            return [_read_entry(shard, source_key, source_size, read, source_lo, steps)]
         result = []
         key, global_shape, dtype = shard.key, shard.global_shape, shard.dtype
         for slot, target_lo, target_size, source_lo, source_size, steps in form:
             source_key = read_keys[slot]
-            read = source[source_key][0]
-            result.append(_entry(_shard(key, target_size, global_shape, target_lo, dtype),
-                                 _shard(source_key, source_size, read.global_shape, source_lo,
-                                        read.dtype), steps))
+            result.append(_read_entry(_shard(key, target_size, global_shape, target_lo, dtype),
+                                      source_key, source_size, source[source_key][0],
+                                      source_lo, steps))
         return result
 
     def _form(self, answer: Sequence[Entry]) -> list[_EntryForm]:
@@ -166,9 +174,39 @@ class AOAEngine:
         return steps
 
 
+def _as_long_lived() -> None:
+    """Move the objects the collector tracks to its oldest generation at once (`gc.freeze`
+    then `gc.unfreeze`, two list splices), so that resuming it does not start a young
+    collection that walks each object the engine made (a tenth of a small program's job,
+    a large share of a big model's): they live as long as the engine, and a full
+    collection still reaches them. Left alone where objects are frozen already (unfreezing
+    would thaw them)."""
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        gc.unfreeze()
+
+
 def _entry(target: ShardDesc, source: ShardDesc, steps: tuple[str, ...] | None
            ) -> ShardMappingEntry:
     """A ShardMappingEntry, its postprocess list a new list of ``steps`` (None: none)."""
+    entry = _new_object(_EntryFields)
+    entry.target_slice, entry.source_slice = target, source
+    entry.postprocess_list = None if steps is None else list(steps)
+    entry.__class__ = ShardMappingEntry
+    return entry
+
+
+def _read_entry(target: ShardDesc, source_key: str, source_size: tuple[int, ...],
+                read: ShardDesc, source_lo: tuple[int, ...], steps: tuple[str, ...] | None
+                ) -> ShardMappingEntry:
+    """`_entry` of a planned piece: its source descriptor (of ``source_key``, laid out as
+    the source's ``read``) made here with the entry, by plain stores, as
+    `ShardDesc.unchecked` makes one (a query makes these by the hundred thousand)."""
+    source = _new_object(_ShardFields)
+    source.key, source.local_shape, source.global_shape = (source_key, source_size,
+                                                           read.global_shape)
+    source.global_offset, source.dtype = source_lo, read.dtype
+    source.__class__ = ShardDesc
     entry = _new_object(_EntryFields)
     entry.target_slice, entry.source_slice = target, source
     entry.postprocess_list = None if steps is None else list(steps)

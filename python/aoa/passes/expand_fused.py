@@ -118,7 +118,11 @@ class _Fuser:
 
     def expand(self, index: int, statement: Statement) -> list[Statement]:
         self.index = index
-        for name in statement.right:
+        left, right = statement.left, statement.right
+        if (len(left) == 1 and len(right) == 1 and not statement.attributes
+                and not left[0].text.endswith("^T") and not right[0].text.endswith("^T")):
+            return [statement]  # the usual: a rename, no macro to lay out
+        for name in right:
             if name.text.endswith("^T"):
                 raise MacroError(
                     f"cannot assign to the transposed view '{name.text}'", name.span,

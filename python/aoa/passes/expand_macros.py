@@ -14,6 +14,7 @@ import functools
 import itertools
 import math
 import re
+import string
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -28,10 +29,16 @@ LAYER_ID_OFFSET = "$LAYER_ID_OFFSET"
 
 
 _LAST_DIGIT = re.compile(r".*\d", re.DOTALL)
+#: what the text past a key's last digit is mostly made of: stripped first, the rest of the
+#: key then ends with that digit, or has none (`\d` and `str.isdecimal` both mean Nd)
+_WORD_CHARACTERS = string.ascii_letters + "._"
 
 
 def _tail(text: str) -> str:
     """What follows the last digit of ``text`` (all of it, where it has none)."""
+    kept = text.rstrip(_WORD_CHARACTERS)
+    if not kept or kept[-1].isdecimal():
+        return text[len(kept):]
     found = _LAST_DIGIT.match(text)
     return text[found.end():] if found else text
 
@@ -53,8 +60,13 @@ class _SortedKeys:
         by_tail: dict[str, list[str]] = {}
         last_digit = _LAST_DIGIT.match  # `_tail`, inline: a model has 100k keys
         for key in self.keys:
-            found = last_digit(key)
-            by_tail.setdefault(key[found.end():] if found else key, []).append(key)
+            kept = key.rstrip(_WORD_CHARACTERS)
+            if not kept or kept[-1].isdecimal():
+                tail = key[len(kept):]
+            else:
+                found = last_digit(key)
+                tail = key[found.end():] if found else key
+            by_tail.setdefault(tail, []).append(key)
         return by_tail
 
     def ending_as(self, suffix: str) -> list[str]:
@@ -98,14 +110,6 @@ def _names(statement: Statement) -> tuple[Name, ...]:
     return statement.left + statement.right
 
 
-def _with_id(name: Name, placeholder: str, number: str) -> Name:
-    """``name`` in the instance where ``placeholder`` is ``number``."""
-    text = name.text
-    if placeholder not in text:
-        return name
-    return make_name(text.replace(placeholder, number), name.span, name.array)
-
-
 def _id_format(text: str, placeholders: tuple[str, ...]) -> str | None:
     """A name with $LAYER_ID / $EXPERT_ID as a format string, so each of a template's
     thousands of instances costs one `format_map` (None: the name has no placeholder)."""
@@ -135,7 +139,15 @@ class _Expander:
         return _SortedKeys(self.ctx.destination_keys)
 
     def expand(self, statement: Statement) -> list[Statement]:
-        names = _names(statement)
+        left, right = statement.left, statement.right
+        if len(left) == 1 and len(right) == 1:  # the usual: a rename, a cast, a ^T
+            (source,), (target,) = left, right
+            if not (source.array or target.array):
+                renamed = self._renamed(statement, source.text, target.text)
+                if renamed is not None:
+                    self.expanded += renamed
+                    return renamed
+        names = left + right
         texts = "\n".join([n.text for n in names])  # names hold no newline
         macros = []
         if LAYER_ID_OFFSET in texts:
@@ -156,6 +168,48 @@ class _Expander:
             result = [out for s in result for out in macro(s)]
         self.expanded += result
         return result
+
+    def _renamed(self, statement: Statement, source: str, target: str
+                 ) -> list[Statement] | None:
+        """A statement of one name a side and no `[a:b]`: itself when no macro is in its
+        names, its instances when it is a template of one `$LAYER_ID` or `$EXPERT_ID` in
+        both names; None for anything else (`ids` and the other macros take it: they
+        give the same instances, and any error)."""
+        texts = source + target
+        if "$" not in texts and "*" not in texts:
+            return [statement]
+        if "*" in texts or LAYER_ID_OFFSET in texts:
+            return None
+        pattern = target if self.ctx.reverse or "_ID" not in source else source
+        placeholder = "$LAYER_ID" if "$LAYER_ID" in pattern else "$EXPERT_ID"
+        if (pattern.count("$") != 1 or placeholder not in pattern or source.count("$") != 1
+                or target.count("$") != 1 or placeholder not in source
+                or placeholder not in target):
+            return None
+        base = pattern[:-2] if pattern.endswith("^T") else pattern
+        prefix, suffix = base.split(placeholder)
+        numbers = self._numbers_between(prefix, suffix, self.source_keys)
+        if not numbers and not self.ctx.reverse and (produced := self.produced()).keys:
+            numbers = self._numbers_between(prefix, suffix, produced)
+        if not numbers or len(numbers) > MAX_TEMPLATE_INSTANCES:
+            return None  # `ids` says so
+        source_name, target_name = statement.left[0], statement.right[0]
+        source_span, target_span = source_name.span, target_name.span
+        attributes, span = statement.attributes, statement.span
+        origin = Origin("id", statement)  # one for all instances: they share their parent
+        return [make_statement((make_name(source.replace(placeholder, number), source_span),),
+                               (make_name(target.replace(placeholder, number), target_span),),
+                               attributes, span, origin)
+                for number in map(str, sorted(numbers))]
+
+    @staticmethod
+    def _numbers_between(prefix: str, suffix: str, keys: _SortedKeys) -> set[int]:
+        """The ids of the keys that are ``prefix``, digits, ``suffix`` (`_match_ids` of a
+        template of one placeholder)."""
+        start, end = len(prefix), len(suffix)
+        return set(map(int, [number for key in keys.ending_as(suffix)
+                             if key.startswith(prefix) and key.endswith(suffix)
+                             and (number := key[start:len(key) - end]).isdecimal()]))
 
     def produced(self) -> _SortedKeys:
         """Names written by the statements expanded so far (asked only of a template that
@@ -277,11 +331,6 @@ class _Expander:
         if len(ordered) == 1:
             (placeholder,) = ordered
             numbers = list(map(str, sorted(values[placeholder])))
-            if len(statement.left) == 1 and len(statement.right) == 1:  # the usual: a rename
-                (source,), (target,) = statement.left, statement.right
-                return [make_statement((_with_id(source, placeholder, number),),
-                                       (_with_id(target, placeholder, number),),
-                                       attributes, span, origin) for number in numbers]
 
             def column(name: Name) -> list[Name]:
                 """The name in every instance, one template name at a time."""

@@ -34,7 +34,7 @@ from aoa.ir import (
 )
 from aoa.limits import MAX_NUMBER_DIGITS
 from aoa.passes.context import CompileContext
-from aoa.source import SourceText, Span
+from aoa.source import SourceText, Span, make_source_text, make_span
 
 NAME = "parse"
 
@@ -231,10 +231,10 @@ def _one_line_parse(source: SourceText) -> list[Statement] | None:
                 held = word
             else:
                 held = double if double is not None else single
-            attributes.append(Attribute(key, held, Span(source, 1, attribute.start() + 1, 1,
+            attributes.append(Attribute(key, held, make_span(source, 1, attribute.start() + 1, 1,
                                                         attribute.end() + 1)))
     return [make_statement(left, tuple(right), tuple(attributes),
-                           Span(source, 1, found.start(1) + 1, 1, end + 1))]
+                           make_span(source, 1, found.start(1) + 1, 1, end + 1))]
 
 
 def _names(source: SourceText, found: re.Match, group: int) -> list[Name]:
@@ -242,8 +242,8 @@ def _names(source: SourceText, found: re.Match, group: int) -> list[Name]:
     start, end = found.span(group)
     text = found.group(group)
     if "," not in text:
-        return [make_name(text, Span(source, 1, start + 1, 1, end + 1))]
-    return [make_name(name.group(), Span(source, 1, name.start() + 1, 1, name.end() + 1))
+        return [make_name(text, make_span(source, 1, start + 1, 1, end + 1))]
+    return [make_name(name.group(), make_span(source, 1, name.start() + 1, 1, name.end() + 1))
             for name in _NAME.finditer(source.text, start, end)]
 
 
@@ -400,8 +400,10 @@ def texts(statements: str | Sequence[str], *, file: str | None = None
                          f"{quote(statements)}")
     if isinstance(statements, str):
         return (SourceText(file or "<aoa>", statements),)
-    return tuple(SourceText(f"{file or '<statement'} {i}>" if file is None else f"{file}[{i}]",
-                            text) for i, text in enumerate(statements))
+    if file is None:
+        return tuple([make_source_text(f"<statement {i}>", text)
+                      for i, text in enumerate(statements)])
+    return tuple([make_source_text(f"{file}[{i}]", text) for i, text in enumerate(statements)])
 
 
 def run(units: Sequence[SourceText], ctx: CompileContext) -> Program:

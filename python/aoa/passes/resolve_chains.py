@@ -10,6 +10,7 @@ split or concatenated is followed every way (the ways must agree).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -132,14 +133,20 @@ class Chains:
     reaches by other ways, else as one shard), and the reader takes that layout. Ways that
     end in different shard counts are an error that names them."""
 
-    def __init__(self, flow: DataFlow, ctx: CompileContext) -> None:
-        self.flow = flow
+    def __init__(self, program: Program, ctx: CompileContext) -> None:
+        self.program = program
         self.ctx = ctx
         self._from: dict[int, Ends] = {}
         self._to: dict[int, Ends] = {}
         self._written: dict[int, int] = {}
         #: the statement whose question is being answered (errors point at it)
         self._asked_by: Statement | None = None
+
+    @functools.cached_property
+    def flow(self) -> DataFlow:
+        """The data flow, built when a fused macro or a printout first asks (most programs
+        have no fused macro)."""
+        return DataFlow.build(self.program, self.ctx.reverse)
 
     def temporaries(self) -> list[tuple[str, list[str], list[str]]]:
         """(name, where its data comes from, where it goes) for every name a statement
@@ -350,4 +357,4 @@ class ChainedProgram:
 
 
 def run(program: Program, ctx: CompileContext) -> ChainedProgram:
-    return ChainedProgram(program, Chains(DataFlow.build(program, ctx.reverse), ctx))
+    return ChainedProgram(program, Chains(program, ctx))

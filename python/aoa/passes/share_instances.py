@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from aoa.ir import NOTHING, Follower, Program, SharedInstances, Statement
 from aoa.layout import (
@@ -57,10 +57,12 @@ def run(program: Program, ctx: CompileContext) -> Program:
     statements = program.statements
     # each statement's read keys (names without ^T) and written names, worked out once:
     # big models have tens of thousands of instances and every step below needs them
-    bases = [tuple([n.base for n in s.left]) for s in statements]
-    texts = [tuple([n.text for n in s.right]) for s in statements]
+    bases = [(s.left[0].base,) if len(s.left) == 1 else tuple([n.base for n in s.left])
+             for s in statements]
+    texts = [(s.right[0].text,) if len(s.right) == 1 else tuple([n.text for n in s.right])
+             for s in statements]
     reads = Counter([b for names in bases for b in names])
-    writes = Counter([n.base for s in statements for n in s.right])
+    writes = Counter([t[:-2] if t.endswith("^T") else t for names in texts for t in names])
     sharing = _Sharing(ctx, reads, writes)
     for start, stop in _runs_of_one_origin(statements):
         sharing.take(statements[start:stop], bases[start:stop], texts[start:stop])
@@ -142,19 +144,28 @@ class _Sharing:
         one whose keys are laid out alike."""
         first = run[0]
         # Instances of one expansion share their attributes and the written statement they
-        # came from, and so their counts of names and where ^T is (compared by value: equal
-        # written statements expand alike)
-        alike = (first.attributes, first.written(), len(first.left), len(first.right),
+        # came from, and so their counts of names and where ^T is. The written statement
+        # is told by identity, not hashed name by name: two equal ones write the same keys,
+        # so their instances are never independent, and sharing never meets both
+        alike = (first.attributes, id(first.written()), len(first.left), len(first.right),
                  tuple([len(n.text) != len(b) for n, b in zip(first.left, bases[0])]))
-        columns = [list(map(self.source_signature, names)) for names in zip(*bases)]
-        columns += [list(map(self.destination_signature, names)) for names in zip(*texts)]
-        if len(bases[0]) > 1:  # which reads name the same key (renaming maps key to key)
-            columns.append([tuple([names.index(b) for b in names]) for names in bases])
-        if not columns:  # no names to rename: nothing to share
-            self.kept.extend(run)
-            return
+        signatures: Iterable[tuple]
+        if len(bases[0]) == 1 and len(texts[0]) == 1:  # the usual: a rename's instances
+            source_signature, destination_signature = (self.source_signature,
+                                                       self.destination_signature)
+            signatures = [(source_signature(read), destination_signature(written))
+                          for (read,), (written,) in zip(bases, texts)]
+        else:
+            columns = [list(map(self.source_signature, names)) for names in zip(*bases)]
+            columns += [list(map(self.destination_signature, names)) for names in zip(*texts)]
+            if len(bases[0]) > 1:  # which reads name the same key (renaming maps key to key)
+                columns.append([tuple([names.index(b) for b in names]) for names in bases])
+            if not columns:  # no names to rename: nothing to share
+                self.kept.extend(run)
+                return
+            signatures = zip(*columns)
         kept_by_signature = self.kept_by_signature.setdefault(alike, {})
-        for s, reads, signature in zip(run, bases, zip(*columns)):
+        for s, reads, signature in zip(run, bases, signatures):
             kept = kept_by_signature.get(signature)
             if kept is None:
                 kept_by_signature[signature] = len(self.kept)
