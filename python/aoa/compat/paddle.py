@@ -8,7 +8,6 @@ engine raises an AoaError instead (spec 0.3); queries never change state (spec 0
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import sub
@@ -72,11 +71,11 @@ class AOAEngine:
         #: (None: declared with `_ -> X`, no entries) and the keys their slots read
         self._planned: dict[str, tuple[list[ShardDesc], list[list[_EntryForm]] | None,
                                        Sequence[str]]] = {}
-        # one pause of the collector for all of the construction, whose objects then join
-        # the oldest generation (`_as_long_lived`)
+        # one pause of the collector for all of the construction: each pause ends with a
+        # collection of what was made in it, and the descriptions read first are made by
+        # the hundred
         with collector_paused():
             self._build(source_state_shard_info, destination_state_shard_info)
-            _as_long_lived()
 
     def _build(self, source_state_shard_info: Mapping,
                destination_state_shard_info: Mapping | None) -> None:
@@ -172,18 +171,6 @@ class AOAEngine:
             steps = self._postprocess[ops] = tuple(
                 op.text if isinstance(op, Permute) else op for op in ops)
         return steps
-
-
-def _as_long_lived() -> None:
-    """Move the objects the collector tracks to its oldest generation at once (`gc.freeze`
-    then `gc.unfreeze`, two list splices), so that resuming it does not start a young
-    collection that walks each object the engine made (a tenth of a small program's job,
-    a large share of a big model's): they live as long as the engine, and a full
-    collection still reaches them. Left alone where objects are frozen already (unfreezing
-    would thaw them)."""
-    if gc.get_freeze_count() == 0:
-        gc.freeze()
-        gc.unfreeze()
 
 
 def _entry(target: ShardDesc, source: ShardDesc, steps: tuple[str, ...] | None
