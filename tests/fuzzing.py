@@ -50,12 +50,13 @@ def deeply_nested(depth: int, as_object: bool) -> str:
     return ('{"a":' * depth + "1" + "}" * depth) if as_object else ("[" * depth + "]" * depth)
 
 
-def dumps(value) -> str:
+def dumps(value, compact: bool = False) -> str:
     """``value`` as JSON, numbers of any length included (Python's limit of 4300 digits is
-    lifted while writing them: the readers under test must refuse them, not the fuzzer)."""
+    lifted while writing them: the readers under test must refuse them, not the fuzzer);
+    ``compact``: with no spaces, as the safetensors library writes headers."""
     limit = sys.get_int_max_str_digits()
     sys.set_int_max_str_digits(0)
     try:
-        return json.dumps(value)
+        return json.dumps(value, separators=(",", ":") if compact else None)
     finally:
         sys.set_int_max_str_digits(limit)

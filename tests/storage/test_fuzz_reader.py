@@ -80,9 +80,11 @@ def files(draw) -> bytes:
     dcp = st.builds(lambda info: {"DCP_SHARDING_INFO": info, "DCP_VERSION": "1.0"},
                     sharding_info([n for n in header if n != "__metadata__"]))
     metadata = draw(st.one_of(st.none(), st.none(), dcp, dcp, ANY_JSON))
+    compact = draw(st.booleans())  # as the safetensors library writes it: metadata first
     if metadata is not None:
-        header["__metadata__"] = metadata
-    text = dumps(header).encode()
+        header = {"__metadata__": metadata, **header} if compact else {
+            **header, "__metadata__": metadata}
+    text = dumps(header, compact).encode()
     text += b" " * draw(st.integers(0, 7))
     data_size = offset + draw(st.sampled_from([0, 0, 0, 1, -1]))
     blob = struct.pack("<Q", len(text)) + text + bytes(max(0, data_size))

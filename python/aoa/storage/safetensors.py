@@ -31,6 +31,7 @@ from aoa.errors import StorageError, quote
 from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc, shard_kinds
 from aoa.limits import MAX_DIMS, shape_problem
+from aoa.storage.compact_header import read_compact_header
 from aoa.storage.folder import sync_folder
 from aoa.storage.formats import FileLayout, ShardSpans
 from aoa.storage.pages import PageRelease
@@ -234,7 +235,17 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
     fault and names it.
 
     JSON objects are read as tuples of pairs, so that a key named twice in one object
-    shows as a dict shorter than its pairs; arrays stay lists."""
+    shows as a dict shorter than its pairs; arrays stay lists. A header in the compact form
+    the safetensors library writes is cut into columns with no JSON parser
+    (`read_compact_header`)."""
+    compact = read_compact_header(text)
+    if compact is not None:
+        stored, keys, kind_codes, boxes, begins, ends = compact
+        if (not _ITEMSIZE_OF_CODE.keys() >= set(kind_codes)
+                or max(map(len, boxes), default=0) > MAX_DIMS):
+            return None
+        return _in_byte_order(stored, keys, kind_codes, boxes, begins, ends, data_start,
+                              data_bytes)
     try:
         pairs = load_json(text, "header", StorageError, object_pairs_hook=tuple)
     except StorageError:
@@ -270,7 +281,18 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
             and min(extents, default=0) >= 0 and min(bounds, default=0) >= 0
             and max(map(len, shapes), default=0) <= MAX_DIMS):
         return None
-    begins, ends = bounds[0::2], bounds[1::2]
+    return _in_byte_order(metadata, names, codes, shapes, bounds[0::2], bounds[1::2],
+                          data_start, data_bytes)
+
+
+def _in_byte_order(metadata: dict[str, str], names: list[str], codes: Sequence[str],
+                   shapes: Sequence[Sequence[int]], begins: list[int], ends: list[int],
+                   data_start: int, data_bytes: int
+                   ) -> tuple[dict[str, str], TensorColumns] | None:
+    """The columns of well-typed entries (known dtype codes, extents and offsets that are
+    ints >= 0), in the order of their bytes, if each entry's range holds its shape and the
+    ranges tile the data back to back; None at the first doubt."""
+    kinds = set(codes)
     sizes = ([_ITEMSIZE_OF_CODE[next(iter(kinds))]] * len(codes) if len(kinds) == 1 else
              list(map(_ITEMSIZE_OF_CODE.__getitem__, codes)))  # (one dtype: one look-up)
     needed = list(map(operator.mul, map(math.prod, shapes), sizes))
@@ -282,8 +304,7 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
     if begins != [0, *ends[:-1]]:  # not listed back to back: put in order of their bytes
         order = sorted(range(len(names)), key=list(zip(begins, ends)).__getitem__)
         names, codes, shapes, begins, ends, needed = (
-            list(map(column.__getitem__, order))
-            for column in (names, codes, shapes, begins, ends, needed))
+            _taken(column, order) for column in (names, codes, shapes, begins, ends, needed))
         if begins != [0, *ends[:-1]]:
             return None  # a gap or an overlap
     if (ends[-1] if ends else 0) != data_bytes:
@@ -295,6 +316,10 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
     return metadata, TensorColumns(
         names, dtypes, list(interned(list(map(tuple, shapes)))),
         list(map(operator.add, begins, itertools.repeat(data_start))), needed)
+
+
+def _taken(column: Sequence[Any], order: list[int]) -> list[Any]:
+    return list(map(column.__getitem__, order))
 
 
 _new_tuple = tuple.__new__  # a named tuple made from a row with no Python call

@@ -1,0 +1,97 @@
+"""A safetensors header in the compact form the safetensors library writes, read without a
+JSON parser.
+
+torch's and Hugging Face's safetensors (serde) write ``{"__metadata__":{..},"K":{"dtype":
+"BF16","shape":[64,32],"data_offsets":[a,b]},...}`` then spaces: no whitespace, metadata
+first, the three fields in that order. For a header of 31k tiny tensors `json.loads` makes
+a dict and two lists per entry, most of the time of opening a checkpoint. Here one regular
+expression cuts every entry into its texts (no Python call per entry) and the matches are
+checked to tile the text exactly, so the whole header is that form of what is returned.
+
+Anything else (other spacing or order, an escape or control character, a number JSON would
+not write as it is here) returns None: the caller reads the text with a JSON parser, whose
+checks and errors are unchanged. The caller checks the values (dtypes, sizes, offsets).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from aoa.inputs import has_surrogate_escape
+
+_METADATA_OPENS = '{"__metadata__":'
+_METADATA_KEY = "__metadata__"
+_JSON_SPACE = " \t\n\r"
+#: One entry and the comma after it (none after the last); its groups: name, dtype, shape,
+#: first and last data offset, comma. Numbers are checked to be JSON's after the match.
+_ENTRY = re.compile(r'"([^"]*)":\{"dtype":"([^"]*)","shape":\[([0-9,]*)\],'
+                    r'"data_offsets":\[([0-9]+),([0-9]+)\]\}(,?)')
+#: What an entry's text holds besides its groups.
+_ENTRY_FIXED = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')
+_CONTROL = re.compile(r"[\x00-\x1f]")
+_METADATA_DECODER = json.JSONDecoder(object_pairs_hook=tuple)
+
+#: metadata, then the columns: names, dtype codes, shapes, first and last data offsets
+CompactHeader = tuple[dict[str, str], list[str], list[str], list[tuple[int, ...]],
+                      list[int], list[int]]
+
+
+def read_compact_header(text: str) -> CompactHeader | None:
+    """The metadata and entry columns of ``text``, if it is a header in the compact form
+    whose metadata is an object of strings; else None (read it with a JSON parser)."""
+    body_opens, metadata = _metadata(text)
+    if body_opens is None:
+        return None
+    body = text.rstrip(_JSON_SPACE)
+    if not body.endswith("}}") or "\\" in body[body_opens:]:
+        return None  # (an escape in a name: its text is not the name)
+    body = body[body_opens:-1]
+    rows = _ENTRY.findall(body)
+    if not rows:
+        return None
+    names, codes, shapes, begins, ends, commas = map(list, zip(*rows))
+    covered = len(rows) * _ENTRY_FIXED + sum(
+        sum(map(len, column)) for column in (names, codes, shapes, begins, ends, commas))
+    if covered != len(body) or commas[-1] or commas.count(",") != len(commas) - 1:
+        return None  # text between or around the entries, or two not parted by a comma
+    if not _plain(names) or len(set(names)) != len(names) or _METADATA_KEY in names:
+        return None
+    try:
+        boxes = {shape: tuple(map(int, shape.split(","))) if shape else ()
+                 for shape in dict.fromkeys(shapes)}
+        first, last = list(map(int, begins)), list(map(int, ends))
+    except ValueError:  # an empty extent, or a number past Python's 4300 digits
+        return None
+    if not (all(map(_as_json_writes, boxes.values(), boxes))
+            and list(map(str, first)) == begins and list(map(str, last)) == ends):
+        return None  # a leading zero
+    return metadata, names, codes, list(map(boxes.__getitem__, shapes)), first, last
+
+
+def _metadata(text: str) -> tuple[int | None, dict[str, str]]:
+    """Where the entries of ``text`` start (None if not in the form) and its metadata."""
+    if not text.startswith(_METADATA_OPENS):
+        return (1, {}) if text.startswith('{"') else (None, {})
+    try:
+        pairs, end = _METADATA_DECODER.raw_decode(text, len(_METADATA_OPENS))
+    except ValueError:
+        return None, {}
+    if type(pairs) is not tuple:
+        return None, {}
+    metadata = dict(pairs)
+    if (len(metadata) != len(pairs) or not all(type(value) is str for value in metadata.values())
+            or text[end:end + 1] != "," or has_surrogate_escape(text[:end])):
+        return None, {}
+    return end + 1, metadata
+
+
+def _plain(names: list[str]) -> bool:
+    """Names with no control character (JSON refuses them raw; the text has no escape)."""
+    joined = "".join(names)
+    return joined.isprintable() or _CONTROL.search(joined) is None  # the first is quick
+
+
+def _as_json_writes(box: tuple[int, ...], text: str) -> bool:
+    return ",".join(map(str, box)) == text
+

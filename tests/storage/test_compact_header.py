@@ -1,0 +1,112 @@
+"""The compact-form header reader: what the safetensors library writes is read without a
+JSON parser, exactly as the parser reads it; any other text is left to the parser."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from unittest import mock
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from aoa.errors import StorageError
+from aoa.storage import safetensors as safetensors_module
+from aoa.storage.compact_header import read_compact_header
+from aoa.storage.safetensors import SafetensorsFile
+
+
+def header_text(path: Path) -> str:
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return data[8 : 8 + length].decode()
+
+
+def read(path: Path, compact: bool = True):
+    """Metadata and columns of ``path``, or the error it raises; ``compact``: False reads
+    the header with the JSON parser only."""
+    reader = read_compact_header if compact else (lambda text: None)
+    with mock.patch.object(safetensors_module, "read_compact_header", reader):
+        try:
+            with SafetensorsFile.open(path) as file:
+                return file.metadata, file.columns
+        except StorageError as error:
+            return str(error)
+
+
+def test_reference_writer_header_reads_as_the_json_parser_reads_it(tmp_path: Path) -> None:
+    arrays = {
+        "model.layers.0.w": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "b": np.arange(5, dtype=np.int64),
+        "ünï c": np.ones((2, 2), dtype=ml_dtypes.bfloat16),
+        "d": np.zeros((0, 3), dtype=np.float16),
+        "e": np.array(True),
+    }
+    path = tmp_path / "ref.safetensors"
+    save_file(arrays, path, metadata={"DCP_SHARDING_INFO": json.dumps({"b": [0]}),
+                                      "note": "ünïcode \"quoted\" \\ \t"})
+    assert read_compact_header(header_text(path)) is not None
+    assert read(path) == read(path, compact=False)
+    assert read(path)[0]["note"] == "ünïcode \"quoted\" \\ \t"
+
+
+def write(path: Path, text: str, data_bytes: int) -> Path:
+    path.write_bytes(struct.pack("<Q", len(text.encode())) + text.encode()
+                     + bytes(data_bytes))
+    return path
+
+
+ENTRY = '"{}":{{"dtype":"F32","shape":[{}],"data_offsets":[{},{}]}}'
+
+
+@pytest.mark.parametrize("text", [
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}, "b":'
+    '{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}',  # a space
+    '{"a\\u0062":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',  # an escape
+    '{"a":{"dtype":"F32","shape":[02],"data_offsets":[0,8]}}',  # a leading zero
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[00,8]}}',
+    '{"a":{"dtype":"F32","shape":[2,],"data_offsets":[0,8]}}',
+    '{"a":{"shape":[2],"dtype":"F32","data_offsets":[0,8]}}',  # another field order
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"b":'
+    '{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}',  # no comma
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":'
+    '{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}',  # a name twice
+    '{"a\x01":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',  # a control character
+    '{"__metadata__":{},"__metadata__":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+    '{"__metadata__":{"x":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+    '{"__metadata__":{"x":"y","x":"z"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+    '{"__metadata__":{"x":"\\ud800"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{}}',
+    ' {"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}x',
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},}',
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,' + "9" * 5000 + ']}}',
+    '{}',
+])
+def test_other_forms_are_left_to_the_json_parser(tmp_path: Path, text: str) -> None:
+    assert read_compact_header(text) is None
+    path = write(tmp_path / "x.safetensors", text, 16)
+    assert read(path) == read(path, compact=False)
+
+
+@pytest.mark.parametrize("entries, data_bytes, refused", [
+    ([("a", "2", 0, 8), ("b", "2", 8, 16)], 16, False),
+    ([("a", "2", 8, 16), ("b", "2", 0, 8)], 16, False),  # listed out of byte order
+    ([("a", "2", 0, 8), ("b", "2", 4, 12)], 16, True),  # overlapping
+    ([("a", "2", 0, 8), ("b", "2", 12, 20)], 20, True),  # a gap
+    ([("a", "3", 0, 8), ("b", "2", 8, 16)], 16, True),  # a range shorter than its shape
+    ([("a", "2", 0, 8), ("b", "2", 8, 16)], 24, True),  # bytes after the last tensor
+    ([("a", "2", 0, 8), ("b", "2", 8, 16)], 8, True),  # past the end of the file
+    ([("a", "", 0, 4), ("b", "0,9223372036854775807,2", 4, 4)], 4, True),  # past int64
+])
+def test_lying_headers_in_the_compact_form_are_refused_as_ever(
+        tmp_path: Path, entries: list[tuple[str, str, int, int]], data_bytes: int,
+        refused: bool) -> None:
+    text = "{" + ",".join(ENTRY.format(*entry) for entry in entries) + "}"
+    assert read_compact_header(text) is not None
+    path = write(tmp_path / "x.safetensors", text, data_bytes)
+    assert read(path) == read(path, compact=False)
+    assert isinstance(read(path), str) == refused
