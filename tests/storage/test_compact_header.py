@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from aoa.errors import StorageError
 from aoa.storage import safetensors as safetensors_module
-from aoa.storage.compact_header import read_compact_header
+from aoa.storage.compact_header import read_compact_header, read_saved_offsets
 from aoa.storage.safetensors import SafetensorsFile
 
 
@@ -110,3 +110,30 @@ def test_lying_headers_in_the_compact_form_are_refused_as_ever(
     path = write(tmp_path / "x.safetensors", text, data_bytes)
     assert read(path) == read(path, compact=False)
     assert isinstance(read(path), str) == refused
+
+
+def test_sharding_info_as_json_dumps_writes_it_reads_as_the_parser_reads_it() -> None:
+    info = {"a.w": {"saved_offsets": [0, 64]}, "b": {"saved_offsets": []},
+            "c": {"saved_offsets": [12345678901234567890]}}
+    keys, saved = read_saved_offsets(json.dumps(info))  # type: ignore[misc]
+    assert dict(zip(keys, map(list, saved))) == {
+        key: entry["saved_offsets"] for key, entry in info.items()}
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": {"saved_offsets": [0, 1]}, "a": {"saved_offsets": [0, 2]}}',  # a key twice
+    '{"a": {"saved_offsets": [0,1]}}',  # other spacing
+    '{"a": {"saved_offsets": [0,  1]}}',
+    '{"a": {"saved_offsets": [01]}}',  # a leading zero
+    '{"a": {"saved_offsets": [0, ]}}',
+    '{"a\\u0062": {"saved_offsets": [0]}}',  # an escape
+    '{"a\x01": {"saved_offsets": [0]}}',  # a control character
+    '{"a": {"saved_offsets": [0]}}, "b": {"saved_offsets": [0]}}',
+    '{"a": {"saved_offsets": [0]} "b": {"saved_offsets": [0]}}',  # no comma
+    '{"a": {"saved_offsets": [0]},"b": {"saved_offsets": [0]}}',
+    '{"a": {"saved_offsets": [0], "x": 1}}',
+    '{"a": {"saved_offsets": [' + "9" * 5000 + ']}}',
+    '{}', ' {"a": {"saved_offsets": [0]}}',
+])
+def test_other_sharding_info_is_left_to_the_json_parser(text: str) -> None:
+    assert read_saved_offsets(text) is None

@@ -147,6 +147,8 @@ def entry_by_entry():
     turn, as they are where the bulk checks doubt."""
     with mock.patch.object(safetensors_module, "_read_well_formed", return_value=None), \
             mock.patch.object(safetensors_folder, "_well_formed_offsets", return_value=None), \
+            mock.patch.object(safetensors_folder, "_offsets_in_written_form",
+                              return_value=None), \
             mock.patch.object(safetensors_folder, "_shards_in_bulk", return_value=None), \
             mock.patch.object(chunks_module, "_well_typed", return_value=False):
         yield

@@ -1,5 +1,5 @@
-"""A safetensors header in the compact form the safetensors library writes, read without a
-JSON parser.
+"""A safetensors header in the compact form the safetensors library writes, and DCP's
+sharding info in the form `json.dumps` writes it, read without a JSON parser.
 
 torch's and Hugging Face's safetensors (serde) write ``{"__metadata__":{..},"K":{"dtype":
 "BF16","shape":[64,32],"data_offsets":[a,b]},...}`` then spaces: no whitespace, metadata
@@ -11,10 +11,13 @@ checked to tile the text exactly, so the whole header is that form of what is re
 Anything else (other spacing or order, an escape or control character, a number JSON would
 not write as it is here) returns None: the caller reads the text with a JSON parser, whose
 checks and errors are unchanged. The caller checks the values (dtypes, sizes, offsets).
+DCP_SHARDING_INFO (``{"K": {"saved_offsets": [0, 64]}, ...}``, 31k entries as well) is
+read the same way (`read_saved_offsets`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -29,6 +32,9 @@ _ENTRY = re.compile(r'"([^"]*)":\{"dtype":"([^"]*)","shape":\[([0-9,]*)\],'
                     r'"data_offsets":\[([0-9]+),([0-9]+)\]\}(,?)')
 #: What an entry's text holds besides its groups.
 _ENTRY_FIXED = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')
+#: One entry of sharding info and the `, ` after it; groups: name, offsets, separator.
+_SAVED = re.compile(r'"([^"]*)": \{"saved_offsets": \[([0-9, ]*)\]\}((?:, )?)')
+_SAVED_FIXED = len('"": {"saved_offsets": []}')
 _CONTROL = re.compile(r"[\x00-\x1f]")
 _METADATA_DECODER = json.JSONDecoder(object_pairs_hook=tuple)
 
@@ -63,10 +69,35 @@ def read_compact_header(text: str) -> CompactHeader | None:
         first, last = list(map(int, begins)), list(map(int, ends))
     except ValueError:  # an empty extent, or a number past Python's 4300 digits
         return None
-    if not (all(map(_as_json_writes, boxes.values(), boxes))
+    if not (all(map(_as_written, boxes.values(), boxes))
             and list(map(str, first)) == begins and list(map(str, last)) == ends):
         return None  # a leading zero
     return metadata, names, codes, list(map(boxes.__getitem__, shapes)), first, last
+
+
+def read_saved_offsets(text: str) -> tuple[list[str], list[tuple[int, ...]]] | None:
+    """The keys of sharding info ``text`` and each one's saved offsets, if it is in
+    `json.dumps`'s form with each key once; else None (read it with a JSON parser)."""
+    if not (text.startswith('{"') and text.endswith("]}}")) or "\\" in text:
+        return None
+    body = text[1:-1]
+    rows = _SAVED.findall(body)
+    if not rows:
+        return None
+    keys, offsets, commas = map(list, zip(*rows))
+    covered = len(rows) * _SAVED_FIXED + sum(
+        sum(map(len, column)) for column in (keys, offsets, commas))
+    if (covered != len(body) or commas[-1] or commas.count(", ") != len(commas) - 1
+            or not _plain(keys) or len(set(keys)) != len(keys)):
+        return None
+    try:
+        boxes = {box: tuple(map(int, box.split(", "))) if box else ()
+                 for box in dict.fromkeys(offsets)}
+    except ValueError:  # an empty number, or one past Python's 4300 digits
+        return None
+    if not all(map(_as_written, boxes.values(), boxes, itertools.repeat(", "))):
+        return None  # a leading zero, or other spacing
+    return keys, list(map(boxes.__getitem__, offsets))
 
 
 def _metadata(text: str) -> tuple[int | None, dict[str, str]]:
@@ -92,6 +123,7 @@ def _plain(names: list[str]) -> bool:
     return joined.isprintable() or _CONTROL.search(joined) is None  # the first is quick
 
 
-def _as_json_writes(box: tuple[int, ...], text: str) -> bool:
-    return ",".join(map(str, box)) == text
+def _as_written(box: tuple[int, ...], text: str, separator: str = ",") -> bool:
+    """Whether ``text`` is ``box`` as JSON writes it (no leading zero, no other spacing)."""
+    return separator.join(map(str, box)) == text
 

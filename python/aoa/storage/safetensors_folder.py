@@ -33,6 +33,7 @@ from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc
 from aoa.limits import MAX_DIMS
 from aoa.storage.chunks import Chunk, ChunkColumns, as_stored, shards_by_key, stored_shards
+from aoa.storage.compact_header import read_saved_offsets
 from aoa.storage.formats import Source, StoredShards
 from aoa.storage.safetensors import SafetensorsFile, TensorInfo, interned
 
@@ -423,9 +424,37 @@ def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
     text = file.metadata.get(SHARDING_KEY)
     if text is None:
         return {}
+    found = _offsets_in_written_form(text, file)
+    if found is not None:
+        return found
     where = f"{file.path}: {SHARDING_KEY}"
     info = load_json(text, where, StorageError)
     return _well_formed_offsets(info, file) or _offsets_entry_by_entry(info, file, where)
+
+
+def _offsets_in_written_form(text: str, file: SafetensorsFile
+                             ) -> dict[str, tuple[int, ...]] | None:
+    """`_well_formed_offsets` of sharding info in `json.dumps`'s form, read without a JSON
+    parser (`read_saved_offsets`); None where it is not in that form or has a fault."""
+    found = read_saved_offsets(text)
+    if found is None:
+        return None
+    keys, saved = found
+    ranks = _ranks(keys, file)
+    if ranks is None or list(map(len, saved)) != ranks:
+        return None
+    return dict(zip(keys, interned(saved)))
+
+
+def _ranks(keys: Sequence[str], file: SafetensorsFile) -> list[int] | None:
+    """The rank of each of ``keys`` in ``file``; None if the file does not hold one."""
+    names, shapes = file.columns.names, file.columns.shapes
+    if keys == names:  # listed as the header lists them (as DCP writes them)
+        return list(map(len, shapes))
+    rank_of = dict(zip(names, map(len, shapes)))
+    if not rank_of.keys() >= set(keys):
+        return None
+    return list(map(rank_of.__getitem__, keys))
 
 
 _SAVED_OFFSETS = operator.itemgetter(OFFSETS_KEY)
@@ -438,16 +467,11 @@ def _well_formed_offsets(info: object, file: SafetensorsFile
                          ) -> dict[str, tuple[int, ...]] | None:
     """What `_offsets_entry_by_entry` returns, where it finds no fault, made column by
     column; None at the first doubt (or for no entries), for it to name the fault."""
-    names, shapes = file.columns.names, file.columns.shapes
     if type(info) is not dict or not info:
         return None
-    if list(info) == names:  # listed as the header lists them (as DCP writes them)
-        ranks = list(map(len, shapes))
-    else:
-        rank_of = dict(zip(names, map(len, shapes)))
-        if not rank_of.keys() >= info.keys():
-            return None
-        ranks = list(map(rank_of.__getitem__, info))
+    ranks = _ranks(list(info), file)
+    if ranks is None:
+        return None
     entries = list(info.values())
     if not _DICT_ONLY.issuperset(map(type, entries)):
         return None
