@@ -68,6 +68,8 @@ ENTRY = '"{}":{{"dtype":"F32","shape":[{}],"data_offsets":[{},{}]}}'
     '{"a\\u0062":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',  # an escape
     '{"a":{"dtype":"F32","shape":[02],"data_offsets":[0,8]}}',  # a leading zero
     '{"a":{"dtype":"F32","shape":[2],"data_offsets":[00,8]}}',
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,08]}}',
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}' + " " * 70,  # long padding
     '{"a":{"dtype":"F32","shape":[2,],"data_offsets":[0,8]}}',
     '{"a":{"shape":[2],"dtype":"F32","data_offsets":[0,8]}}',  # another field order
     '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"b":'

@@ -36,6 +36,9 @@ _ENTRY_FIXED = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')
 _SAVED = re.compile(r'"([^"]*)": \{"saved_offsets": \[([0-9, ]*)\]\}((?:, )?)')
 _SAVED_FIXED = len('"": {"saved_offsets": []}')
 _CONTROL_BYTES = bytes(range(0x20))
+#: The header's last characters, where its padding is looked for: JSON allows any amount of
+#: whitespace there, writers pad to 8 bytes (more whitespace goes to the JSON parser).
+_TAIL = 64
 _METADATA_DECODER = json.JSONDecoder(object_pairs_hook=tuple)
 
 #: metadata, then the columns: names, dtype codes, shapes, first and last data offsets
@@ -49,19 +52,22 @@ def read_compact_header(text: str) -> CompactHeader | None:
     body_opens, metadata = _metadata(text)
     if body_opens is None:
         return None
-    body = text.rstrip(_JSON_SPACE)
-    if not body.endswith("}}") or "\\" in body[body_opens:]:
+    tail = text[-_TAIL:]  # the padding after the header's `}` (spaces to 8 bytes)
+    body_ends = len(text) - (len(tail) - len(tail.rstrip(_JSON_SPACE))) - 1
+    if text[body_ends - 1:body_ends + 1] != "}}" or text.find("\\", body_opens, body_ends) >= 0:
         return None  # (an escape in a name: its text is not the name)
-    body = body[body_opens:-1]
-    rows = _ENTRY.findall(body)
+    rows = _ENTRY.findall(text, body_opens, body_ends)
     if not rows:
         return None
     names, codes, shapes, begins, ends, commas = map(list, zip(*rows))
     covered = len(rows) * _ENTRY_FIXED + sum(
         sum(map(len, column)) for column in (names, codes, shapes, begins, ends, commas))
-    if covered != len(body) or commas[-1] or commas.count(",") != len(commas) - 1:
+    if (covered != body_ends - body_opens or commas[-1]
+            or commas.count(",") != len(commas) - 1):
         return None  # text between or around the entries, or two not parted by a comma
     if not _plain(names) or len(set(names)) != len(names) or _METADATA_KEY in names:
+        return None
+    if _leading_zero(begins) or _leading_zero(ends):
         return None
     try:
         boxes = {shape: tuple(map(int, shape.split(","))) if shape else ()
@@ -69,10 +75,14 @@ def read_compact_header(text: str) -> CompactHeader | None:
         first, last = list(map(int, begins)), list(map(int, ends))
     except ValueError:  # an empty extent, or a number past Python's 4300 digits
         return None
-    if not (all(map(_as_written, boxes.values(), boxes))
-            and list(map(str, first)) == begins and list(map(str, last)) == ends):
+    if not all(map(_as_written, boxes.values(), boxes)):
         return None  # a leading zero
     return metadata, names, codes, list(map(boxes.__getitem__, shapes)), first, last
+
+
+def _leading_zero(numbers: list[str]) -> bool:
+    """Whether a number's text (digits) starts with a zero and is not `0`."""
+    return sum(map(str.startswith, numbers, itertools.repeat("0"))) != numbers.count("0")
 
 
 def read_saved_offsets(text: str) -> tuple[list[str], list[tuple[int, ...]]] | None:
