@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import le, lt
+from operator import add, le, lt, sub
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
@@ -255,8 +255,8 @@ def intersect(piece_map: PieceMap, lo: Box, hi: Box) -> list[Entry]:
             continue
         order = p.order
         if order is None:
-            s_lo = tuple(s + a - t for s, a, t in zip(p.source_lo, i_lo, p.target_lo))
-            s_hi = tuple(s + b - a for s, a, b in zip(s_lo, i_lo, i_hi))
+            s_lo = tuple(map(add, p.source_lo, map(sub, i_lo, p.target_lo)))
+            s_hi = tuple(map(add, s_lo, map(sub, i_hi, i_lo)))
         else:
             s_lo_list, s_hi_list = list(p.source_lo), list(p.source_hi)
             for i, axis in enumerate(order):
