@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import le, lt
+from operator import add, itemgetter, le, lt, sub
 from typing import TYPE_CHECKING, NamedTuple
 
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
@@ -121,26 +121,35 @@ def split(piece_map: PieceMap, axis: int, parts: int) -> list[PieceMap]:
     size = piece_map.shape[axis] // parts
     shape = piece_map.shape[:axis] + (size,) + piece_map.shape[axis + 1:]
     per_part: list[list[Piece]] = [[] for _ in range(parts)]
+    after = axis + 1
     for p in piece_map.pieces:
-        t_lo, t_hi = p.target_lo[axis], p.target_hi[axis]
-        order = p.order
+        target_lo, target_hi, order = p.target_lo, p.target_hi, p.order
+        t_lo, t_hi = target_lo[axis], target_hi[axis]
         if order is None:
             whole_lo, whole_hi = p.source_lo, p.source_hi
         else:
-            whole_lo = tuple(p.source_lo[a] for a in order)
-            whole_hi = tuple(p.source_hi[a] for a in order)
+            whole_lo = tuple([p.source_lo[a] for a in order])
+            whole_hi = tuple([p.source_hi[a] for a in order])
+        # each box is its piece's but along ``axis``: the axes around it cut once a piece
+        before_lo, after_lo = target_lo[:axis], target_lo[after:]
+        before_hi, after_hi = target_hi[:axis], target_hi[after:]
+        source_before_lo, source_after_lo = whole_lo[:axis], whole_lo[after:]
+        source_before_hi, source_after_hi = whole_hi[:axis], whole_hi[after:]
+        source_shift = whole_lo[axis] - t_lo
+        slot, ops = p.slot, p.ops
         for j in _parts_met(p, axis, size, parts):
-            start, stop = j * size, (j + 1) * size
-            lo, hi = max(t_lo, start), min(t_hi, stop)
-            a_lo = whole_lo[axis] + lo - t_lo
-            s_lo = whole_lo[:axis] + (a_lo,) + whole_lo[axis + 1:]
-            s_hi = whole_hi[:axis] + (a_lo + hi - lo,) + whole_hi[axis + 1:]
+            start = j * size
+            stop = start + size
+            lo = t_lo if t_lo > start else start
+            hi = t_hi if t_hi < stop else stop
+            a_lo = source_shift + lo
+            s_lo = source_before_lo + (a_lo,) + source_after_lo
+            s_hi = source_before_hi + (a_lo + hi - lo,) + source_after_hi
             if order is not None:
                 s_lo, s_hi = _unpermute(s_lo, s_hi, order)
             per_part[j].append(_new_tuple(Piece, (
-                p.slot, s_lo, s_hi,
-                p.target_lo[:axis] + (lo - start,) + p.target_lo[axis + 1:],
-                p.target_hi[:axis] + (hi - start,) + p.target_hi[axis + 1:], p.ops, order)))
+                slot, s_lo, s_hi, before_lo + (lo - start,) + after_lo,
+                before_hi + (hi - start,) + after_hi, ops, order)))
     result = [PieceMap(shape, tuple(pieces)) for pieces in per_part]
     piece_map.memo[key] = result
     return result
@@ -155,9 +164,13 @@ def concat(piece_maps: Sequence[PieceMap], slot_offsets: Sequence[int], axis: in
     result = first.memo.get(key)
     if result is not None:
         return result
-    pieces = []
+    pieces: list[Piece] = []
     offset = 0
     for piece_map, slot_offset in zip(piece_maps, slot_offsets):
+        if not offset and not slot_offset:  # the first input's pieces stay as they are
+            pieces += piece_map.pieces
+            offset = piece_map.shape[axis]
+            continue
         for p in piece_map.pieces:
             pieces.append(_new_tuple(Piece, (
                 p.slot + slot_offset, p.source_lo, p.source_hi,
@@ -174,15 +187,16 @@ def transpose(piece_map: PieceMap, permute: Permute) -> PieceMap:
     key = ("permute", permute)
     result = piece_map.memo.get(key)
     if result is None:
-        axes = permute.axes
-        pieces = tuple(
+        axes = tuple(permute.axes)
+        # a box's items in the order of ``axes``, as one tuple at C speed (of one axis or
+        # none, the box itself)
+        take = itemgetter(*axes) if len(axes) > 1 else tuple
+        pieces = tuple([
             _new_tuple(Piece, (
-                p.slot, p.source_lo, p.source_hi, tuple([p.target_lo[a] for a in axes]),
-                tuple([p.target_hi[a] for a in axes]), (*p.ops, permute),
-                tuple(axes) if p.order is None else tuple([p.order[a] for a in axes])))
-            for p in piece_map.pieces)
-        result = piece_map.memo[key] = PieceMap(tuple(piece_map.shape[a] for a in axes),
-                                                pieces)
+                p.slot, p.source_lo, p.source_hi, take(p.target_lo), take(p.target_hi),
+                (*p.ops, permute), axes if p.order is None else take(p.order)))
+            for p in piece_map.pieces])
+        result = piece_map.memo[key] = PieceMap(take(piece_map.shape), pieces)
     return result
 
 
@@ -242,8 +256,8 @@ def intersect(piece_map: PieceMap, lo: Box, hi: Box) -> list[Entry]:
             continue
         order = p.order
         if order is None:
-            s_lo = tuple(s + a - t for s, a, t in zip(p.source_lo, i_lo, p.target_lo))
-            s_hi = tuple(s + b - a for s, a, b in zip(s_lo, i_lo, i_hi))
+            s_lo = tuple(map(add, p.source_lo, map(sub, i_lo, p.target_lo)))
+            s_hi = tuple(map(add, s_lo, map(sub, i_hi, i_lo)))
         else:
             s_lo_list, s_hi_list = list(p.source_lo), list(p.source_hi)
             for i, axis in enumerate(order):

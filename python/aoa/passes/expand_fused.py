@@ -63,23 +63,27 @@ class FreshNames:
 
     @functools.cached_property
     def _program_names(self) -> frozenset[str]:
-        """The names the program reads and writes. Instances set aside by share_instances
-        bind no name (their outputs are their kept one's), so they need not be asked."""
-        return frozenset([n.base for s in self._program.statements for n in (*s.left, *s.right)])
+        """The names the program reads and writes, as written (`X^T` too: no `base` asked
+        name by name). Instances set aside by share_instances bind no name (their outputs
+        are their kept one's), so they need not be asked."""
+        return frozenset([n.text for s in self._program.statements for n in (*s.left, *s.right)])
 
     @functools.cached_property
     def _names_in_use_text(self) -> str:
         """The program's names and the model-state keys of both checkpoints (an optimizer
         state's key is its parameter's and a suffix no piece or view name ends in), each
         after a newline: a prefix is then looked for at C speed (a big model has a hundred
-        thousand keys). A key holding a newline can only make a prefix look taken."""
+        thousand keys). A key holding a newline can only make a prefix look taken. `X^T`
+        starts with a prefix (a dot ends it, no `^` is in it) exactly when `X` does."""
         names = itertools.chain(self._program_names, self._ctx.source_keys,
                                 self._ctx.destination_keys)
         return "\n" + "\n".join(names)
 
     def _in_use(self, name: str) -> bool:
-        return (name in self._program_names or name in self._ctx.source_keys
-                or name in self._ctx.destination_keys)
+        """Whether ``name`` (a view's, which never ends in `^T`) is in use: the program
+        uses it as written or transposed, or a checkpoint holds it."""
+        return (name in self._program_names or name + "^T" in self._program_names
+                or name in self._ctx.source_keys or name in self._ctx.destination_keys)
 
     def prefix(self, stem: str) -> str:
         """`stem.` or `stem_N.`: a prefix no name in use starts with."""

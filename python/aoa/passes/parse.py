@@ -243,8 +243,18 @@ def _names(source: SourceText, found: re.Match, group: int) -> list[Name]:
     text = found.group(group)
     if "," not in text:
         return [make_name(text, make_span(source, 1, start + 1, 1, end + 1))]
-    return [make_name(name.group(), make_span(source, 1, name.start() + 1, 1, name.end() + 1))
-            for name in _NAME.finditer(source.text, start, end)]
+    if " " in text or "\t" in text:
+        return [make_name(name.group(), make_span(source, 1, name.start() + 1, 1,
+                                                  name.end() + 1))
+                for name in _NAME.finditer(source.text, start, end)]
+    # names and commas alone (Paddle's lists join them so): each name ends at its comma
+    names = []
+    column = start + 1
+    for word in text.split(","):
+        end_column = column + len(word)
+        names.append(make_name(word, make_span(source, 1, column, 1, end_column)))
+        column = end_column + 1
+    return names
 
 
 def _fast_parse(source: SourceText) -> list[Statement] | None:
