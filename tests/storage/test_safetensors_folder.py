@@ -14,6 +14,7 @@ from sharding import assemble
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
 from aoa.storage import open_source
+from aoa.storage.formats import Source
 
 
 def storage_error(call, *args) -> str:
@@ -67,6 +68,20 @@ def test_hugging_face_index_folder(tmp_path: Path) -> None:
         assert bytes(checkpoint.buffer(checkpoint.shards["b"][0])) == arange(3).tobytes()
 
 
+def _two_files(folder: Path) -> dict[str, np.ndarray]:
+    """A folder of two files, "a" and "c" in the first, "b" in the second; their arrays."""
+    arrays = {"a": arange(2), "b": arange(3, 5), "c": arange(1)}
+    save_file({"a": arrays["a"], "c": arrays["c"]}, folder / "model-00001-of-00002.safetensors")
+    save_file({"b": arrays["b"]}, folder / "model-00002-of-00002.safetensors")
+    return arrays
+
+
+def _c_b_a_and_a_stray(checkpoint: Source) -> list[ShardDesc]:
+    """The shards of "c", "b" and "a" of `_two_files`, then one of "d", which it lacks."""
+    return ([checkpoint.shards[key][0] for key in ("c", "b", "a")]
+            + [ShardDesc.full("d", (2,), "float32")])
+
+
 def test_many_shards_at_once_across_files(tmp_path: Path, monkeypatch) -> None:
     """`buffers` and `release_many` (a fill's shards in one call) read and drop what `buffer`
     and `release` of each do, in the order asked, across files; a shard the source lacks is
@@ -74,9 +89,7 @@ def test_many_shards_at_once_across_files(tmp_path: Path, monkeypatch) -> None:
     import aoa.storage.pages as pages
 
     monkeypatch.setattr(pages, "BATCH_BYTES", 1)  # every release drops its pages at once
-    arrays = {"a": arange(2), "b": arange(3, 5), "c": arange(1)}
-    save_file({"a": arrays["a"], "c": arrays["c"]}, tmp_path / "model-00001-of-00002.safetensors")
-    save_file({"b": arrays["b"]}, tmp_path / "model-00002-of-00002.safetensors")
+    arrays = _two_files(tmp_path)
     hf_index(tmp_path, {"a": "model-00001-of-00002.safetensors",
                         "b": "model-00002-of-00002.safetensors",
                         "c": "model-00001-of-00002.safetensors"})
@@ -103,12 +116,9 @@ def test_plan_indices_read_and_drop_what_shards_do(tmp_path: Path, monkeypatch) 
     import aoa.storage.pages as pages
 
     monkeypatch.setattr(pages, "BATCH_BYTES", 1 << 40)  # keep the ranges pending, to compare
-    arrays = {"a": arange(2), "b": arange(3, 5), "c": arange(1)}
-    save_file({"a": arrays["a"], "c": arrays["c"]}, tmp_path / "model-00001-of-00002.safetensors")
-    save_file({"b": arrays["b"]}, tmp_path / "model-00002-of-00002.safetensors")
+    arrays = _two_files(tmp_path)
     with open_source(tmp_path) as checkpoint:
-        stray = ShardDesc.full("d", (2,), "float32")
-        shards = [checkpoint.shards[key][0] for key in ("c", "b", "a")] + [stray]
+        shards = _c_b_a_and_a_stray(checkpoint)
 
         def pending() -> list[list[tuple[int, int]]]:
             found = []
@@ -139,12 +149,9 @@ def test_plan_windows_are_the_ranges_plan_buffers_read(tmp_path: Path) -> None:
     """`plan_windows` gives each file asked once, in file order, and each shard's range in
     it: the bytes `plan_buffers` reads; a shard the source lacks, or a closed file (the one
     first asked), named as `plan_buffers` names them."""
-    arrays = {"a": arange(2), "b": arange(3, 5), "c": arange(1)}
-    save_file({"a": arrays["a"], "c": arrays["c"]}, tmp_path / "model-00001-of-00002.safetensors")
-    save_file({"b": arrays["b"]}, tmp_path / "model-00002-of-00002.safetensors")
+    arrays = _two_files(tmp_path)
     with open_source(tmp_path) as checkpoint:
-        stray = ShardDesc.full("d", (2,), "float32")
-        shards = [checkpoint.shards[key][0] for key in ("c", "b", "a")] + [stray]
+        shards = _c_b_a_and_a_stray(checkpoint)
         windows = checkpoint.plan_windows(shards)
         buffers, rows = windows(np.array([1, 2, 0, 1], np.int64))
         assert rows.dtype == np.int64 and rows.shape == (4, 3)
