@@ -22,7 +22,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from aoa.inputs import has_surrogate_escape
+from aoa.inputs import is_text
 
 _METADATA_OPENS = '{"__metadata__":'
 _METADATA_KEY = "__metadata__"
@@ -123,7 +123,8 @@ def _metadata(text: str) -> tuple[int | None, dict[str, str]]:
     metadata = dict(pairs)
     if (len(metadata) != len(pairs) or not all(type(value) is str for value in metadata.values())
             or text[end:end + 1] != ","
-            or (text.find("\\u", 0, end) >= 0 and has_surrogate_escape(text[:end]))):
+            or not all(string.isascii() or is_text(string)  # (a lone surrogate escaped)
+                       for string in itertools.chain(metadata, metadata.values()))):
         return None, {}
     return end + 1, metadata
 
