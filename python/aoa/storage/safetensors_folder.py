@@ -378,8 +378,8 @@ def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...
     partial = False
     for file, found in listed:
         names = file.columns.names
-        if len(found) == len(names):
-            offsets += map(found.__getitem__, names)
+        if len(found) == len(names):  # (listed as the header lists them, as DCP writes them)
+            offsets += found.values() if list(found) == names else map(found.__getitem__, names)
         else:  # a tensor without an offset is whole
             partial = True
             offsets += map(found.get, names,
