@@ -47,10 +47,6 @@ _SHARD_OPENS, _KEY_CLOSES = '{"key": "', '", "local_shape": ['
 _FEW_TEMPLATES = 64
 #: A template's pieces (its key's text is the key joined with them) and its shards' boxes.
 _Template = tuple[list[str], list[ShardRow]]
-#: What stands for a template that is not a list of shards: joined by a key it gives a
-#: backslash, which no key's text holds (the text has none).
-_UNPARSED: _Template = (["\\"], [])
-_PIECES, _BOXES = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
@@ -71,17 +67,16 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
     if len(distinct) > _FEW_TEMPLATES and len(distinct) * 4 > len(keys):
         return None  # parsed one by one here, they would cost more than json.loads
     bodies: dict[str, tuple[ShardRow, bool] | None] = {}
-    parsed = {template: _parse_list(template, "", bodies) or _UNPARSED for template in distinct}
-    found = list(map(parsed.__getitem__, templates))
-    # each key's text is its template with the key put back (joined in one C-level pass)
-    rebuilt = list(map(str.join, keys, map(_PIECES, found)))
-    for position in itertools.compress(itertools.count(), map(operator.ne, rebuilt, entries)):
-        # the key is elsewhere in its text too (or its template is no list of shards)
-        own = _parse_list(entries[position], keys[position], bodies)
-        if own is None:
-            return None
-        found[position] = own
-    return ShardDesc.grouped_unchecked(keys, list(map(_BOXES, found)))
+    parsed = {template: _parse_list(template, "", bodies) for template in distinct}
+    boxes = []
+    for key, entry, template in zip(keys, entries, templates):
+        found = parsed[template]
+        if found is None or key.join(found[0]) != entry:  # the key is elsewhere in its text
+            found = _parse_list(entry, key, bodies)
+            if found is None:
+                return None
+        boxes.append(found[1])
+    return ShardDesc.grouped_unchecked(keys, boxes)
 
 
 def _plain_keys(keys: Sequence[str]) -> bool:
