@@ -6,10 +6,11 @@ Each configuration writes the same file (reserved with posix_fallocate, as the w
 with ``O_DIRECT`` from page-aligned buffers: IN_FLIGHT buffers of 32 MiB written at once,
 each as PARTS concurrent pwrites (so IN_FLIGHT x PARTS threads), then fsyncs it. The
 configurations alternate within each repeat, since this VM's disk swings by 2x in a minute;
-medians and spreads at the end.
+medians and spreads at the end. ``dd`` is `dd if=/dev/zero bs=16M oflag=direct` into a new
+file (the reference of bench/convert.py); ``2x1nf`` writes 2x1 without reserving first.
 
 Usage: python bench/direct_writes.py [--gb 1.55] [--repeats 6] [--work DIR]
-       [--configs 2x1,2x4,4x1,1x1]
+       [--configs dd,2x1,2x4,4x1,1x1,2x1nf]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import mmap
 import os
 import queue
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -27,11 +29,24 @@ from pathlib import Path
 BUFFER_BYTES = 32 << 20
 
 
-def write(path: Path, total: int, in_flight: int, parts: int) -> float:
-    """Seconds to write ``total`` bytes to ``path`` this way, fsync included."""
+def dd(path: Path, total: int) -> float:
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", "iflag=count_bytes",
+                    f"count={total}", "oflag=direct"], check=True, capture_output=True)
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+def write(path: Path, total: int, config: str) -> float:
+    """Seconds to write ``total`` bytes to ``path`` as ``config`` says, fsync included."""
+    if config == "dd":
+        return dd(path, total)
+    in_flight, parts = map(int, config.removesuffix("nf").split("x"))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
-        os.posix_fallocate(fd, 0, total)
+        if not config.endswith("nf"):
+            os.posix_fallocate(fd, 0, total)
         piece = BUFFER_BYTES // parts
         offsets: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         for offset in range(0, total, piece):
@@ -64,24 +79,25 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.55)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--work", help="folder on the file system to test (default: /tmp)")
-    parser.add_argument("--configs", default="2x1,2x4,4x1,1x1",
-                        help="IN_FLIGHTxPARTS, comma-separated (2x1: the writer today)")
+    parser.add_argument("--configs", default="dd,2x1,2x4,4x1,1x1,2x1nf",
+                        help="dd or IN_FLIGHTxPARTS[nf], comma-separated (2x1: the writer "
+                             "today; nf: no posix_fallocate first)")
     args = parser.parse_args()
     total = int(args.gb * 1e9) // (1 << 20) * (1 << 20)
-    configs = [tuple(map(int, c.split("x"))) for c in args.configs.split(",")]
-    seconds: dict[tuple[int, ...], list[float]] = {c: [] for c in configs}
+    configs = args.configs.split(",")
+    seconds: dict[str, list[float]] = {c: [] for c in configs}
     folder = Path(args.work or tempfile.gettempdir())
     path = folder / f"aoa-direct-writes-{os.getpid()}.out"
     for repeat in range(args.repeats):
         for config in configs:
-            seconds[config].append(write(path, total, *config))
+            seconds[config].append(write(path, total, config))
         print(f"repeat {repeat + 1}: " + "  ".join(
-            f"{a}x{b} {s[-1]:.2f} s" for (a, b), s in seconds.items()), flush=True)
+            f"{c} {s[-1]:.2f} s" for c, s in seconds.items()), flush=True)
     print(f"{total / 1e9:.2f} GB with O_DIRECT, {args.repeats} repeats")
     print(f"{'in flight x parts':>18s}{'median s':>10s}{'min':>7s}{'max':>7s}{'GB/s':>7s}")
-    for (a, b), values in seconds.items():
+    for config, values in seconds.items():
         median = statistics.median(values)
-        print(f"{f'{a} x {b}':>18s}{median:10.2f}{min(values):7.2f}{max(values):7.2f}"
+        print(f"{config:>18s}{median:10.2f}{min(values):7.2f}{max(values):7.2f}"
               f"{total / median / 1e9:7.2f}")
 
 
