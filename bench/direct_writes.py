@@ -5,12 +5,15 @@ BUFFER_BYTES written at once)?
 Each configuration writes the same file (reserved with posix_fallocate, as the writer does)
 with ``O_DIRECT`` from page-aligned buffers: IN_FLIGHT buffers of 32 MiB written at once,
 each as PARTS concurrent pwrites (so IN_FLIGHT x PARTS threads), then fsyncs it. The
+buffers are the writer's (`aoa.storage.writer._buffer`: huge pages where the system gives
+them); suffix ``s``: shared anonymous memory in 4 KiB pages (the writer before), ``p``:
+private memory in 4 KiB pages. The
 configurations alternate within each repeat, since this VM's disk swings by 2x in a minute;
 medians and spreads at the end. ``dd`` is `dd if=/dev/zero bs=16M oflag=direct` into a new
-file (the reference of bench/convert.py); ``2x1nf`` writes 2x1 without reserving first.
+file (the reference of bench/convert.py); suffix ``nf``: without reserving first.
 
 Usage: python bench/direct_writes.py [--gb 1.55] [--repeats 6] [--work DIR]
-       [--configs dd,2x1,2x4,4x1,1x1,2x1nf]
+       [--configs dd,2x1,2x1s,2x4,4x1,1x1,2x1nf]
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from aoa.storage.writer import _buffer
 
 BUFFER_BYTES = 32 << 20
 
@@ -42,10 +47,12 @@ def write(path: Path, total: int, config: str) -> float:
     """Seconds to write ``total`` bytes to ``path`` as ``config`` says, fsync included."""
     if config == "dd":
         return dd(path, total)
-    in_flight, parts = map(int, config.removesuffix("nf").split("x"))
+    pages = config[-1] if config[-1] in "sp" else ""
+    reserve = not config.removesuffix(pages).endswith("nf")
+    in_flight, parts = map(int, config.removesuffix(pages).removesuffix("nf").split("x"))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
-        if not config.endswith("nf"):
+        if reserve:
             os.posix_fallocate(fd, 0, total)
         piece = BUFFER_BYTES // parts
         offsets: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -56,7 +63,10 @@ def write(path: Path, total: int, config: str) -> float:
             offsets.put(None)
 
         def writer() -> None:
-            buffer = mmap.mmap(-1, piece)
+            buffer = {"s": lambda: mmap.mmap(-1, piece),
+                      "p": lambda: mmap.mmap(-1, piece, flags=mmap.MAP_PRIVATE
+                                             | mmap.MAP_ANONYMOUS),
+                      "": lambda: _buffer(piece)}[pages]()
             buffer[:] = b"\1" * piece
             while (offset := offsets.get()) is not None:
                 os.pwrite(fd, memoryview(buffer)[:min(piece, total - offset)], offset)
@@ -79,9 +89,10 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.55)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--work", help="folder on the file system to test (default: /tmp)")
-    parser.add_argument("--configs", default="dd,2x1,2x4,4x1,1x1,2x1nf",
-                        help="dd or IN_FLIGHTxPARTS[nf], comma-separated (2x1: the writer "
-                             "today; nf: no posix_fallocate first)")
+    parser.add_argument("--configs", default="dd,2x1,2x1s,2x1p,2x4,4x1,1x1",
+                        help="dd or IN_FLIGHTxPARTS[nf][s|p], comma-separated (2x1: the "
+                             "writer today; nf: no posix_fallocate first; s, p: 4 KiB "
+                             "pages, shared or private)")
     args = parser.parse_args()
     total = int(args.gb * 1e9) // (1 << 20) * (1 << 20)
     configs = args.configs.split(",")
