@@ -123,8 +123,7 @@ def _buffer(nbytes: int) -> mmap.mmap:
     pages, about 1 MiB each here (254 segments); from 2 MiB pages, as requests of
     ``max_sectors_kb`` (4 MiB): 1.55 GB written in 2.07 s instead of 3.53 s, dd 4.06 s
     (bench/direct_writes.py, medians of six)."""
-    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    buffer = mmap.mmap(-1, nbytes, flags=private) if private else mmap.mmap(-1, nbytes)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: no file
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             buffer.madvise(mmap.MADV_HUGEPAGE)
