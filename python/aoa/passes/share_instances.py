@@ -52,9 +52,9 @@ def _signatures(info: dict[str, list[ShardDesc]] | None, shardings: dict[str, in
 
 def run(program: Program, ctx: CompileContext) -> Program:
     """The program with the instances that follow a kept one moved to ``Program.shared``."""
-    if ctx.destination is None or ctx.reverse:
-        return program
     statements = program.statements
+    if ctx.destination is None or ctx.reverse or all(s.origin is None for s in statements):
+        return program  # (no statement is a template's instance: nothing to share)
     # each statement's read keys (names without ^T) and written names, worked out once:
     # big models have tens of thousands of instances and every step below needs them
     bases = [(s.left[0].base,) if len(s.left) == 1 else tuple([n.base for n in s.left])
@@ -71,6 +71,29 @@ def run(program: Program, ctx: CompileContext) -> Program:
     if not shared:
         return program
     return Program(tuple(sharing.kept), program.shared + shared)
+
+
+def pays(program: Program) -> bool:
+    """Whether sharing can save more than it costs ``program``: some template has three
+    or more instances, or instances that are more than a rename (several names a side,
+    attributes: fused macros, casts). A kept rename's follower costs the later passes
+    about what compiling the rename does, so for a program of two-instance renames (a
+    small model's checkpoint, compiled by the Paddle drop-in at every load) the pass's
+    walk over every statement would be paid for nothing."""
+    statements = program.statements
+    for start, stop in _runs_of_one_origin(statements):
+        first = statements[start]
+        if first.origin is not None and (stop - start > 2 or (
+                stop - start == 2 and (len(first.left) != 1 or len(first.right) != 1
+                                       or first.attributes))):
+            return True
+    return False
+
+
+def run_where_it_pays(program: Program, ctx: CompileContext) -> Program:
+    """`run` where it `pays`, else the program as it is: the same tensors and plan either
+    way (sharing changes what the later passes see, never what they make)."""
+    return run(program, ctx) if pays(program) else program
 
 
 def _runs_of_one_origin(statements: Sequence[Statement]) -> list[tuple[int, int]]:
