@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from aoa.ir import NOTHING, Follower, Program, SharedInstances, Statement
 from aoa.layout import (
@@ -96,16 +96,16 @@ def run_where_it_pays(program: Program, ctx: CompileContext) -> Program:
     return run(program, ctx) if pays(program) else program
 
 
-def _runs_of_one_origin(statements: Sequence[Statement]) -> list[tuple[int, int]]:
+def _runs_of_one_origin(statements: Sequence[Statement]) -> Iterator[tuple[int, int]]:
     """(start, stop) of each run of statements made by one expansion (one Origin object:
-    a template's instances); a statement the user wrote is a run of its own."""
-    runs, start = [], 0
+    a template's instances); a statement the user wrote is a run of its own. One at a
+    time: `pays` stops at the first run that pays, in a big model's first statements."""
+    start = 0
     for index in range(1, len(statements) + 1):
         if (index == len(statements) or statements[index].origin is None
                 or statements[index].origin is not statements[start].origin):
-            runs.append((start, index))
+            yield start, index
             start = index
-    return runs
 
 
 class _Sharing:
