@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from aoa.ir import Attribute, Name, Statement, make_name, make_statement
+from aoa.ir import Attribute, Name, Statement, make_attribute, make_name, make_statement
 from aoa.source import SourceText, Span
 
 
@@ -37,3 +37,16 @@ def test_make_statement_is_a_statement():
     assert pickle.loads(pickle.dumps(made)) == built
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.left = ()  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("args", [("axis", 0), ("fused_ffn", None), ("dtype", "bfloat16",
+                                  Span(SourceText("<s>", "a -> b, dtype='bfloat16'"), 1, 9, 1,
+                                       25))])
+def test_make_attribute_is_an_attribute(args):
+    made, built = make_attribute(*args), Attribute(*args)
+    assert type(made) is Attribute
+    assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+    assert (made.key, made.value, made.span) == (built.key, built.value, built.span)
+    assert pickle.loads(pickle.dumps(made)) == built
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.key = "other"  # type: ignore[misc]

@@ -7,7 +7,8 @@ import pytest
 from sharding import sharded
 
 from aoa.passes import PIPELINE, share_instances
-from aoa.pipeline import analyze
+from aoa.passes.parse import texts
+from aoa.pipeline import analyze, new_context, run_passes
 
 
 def model(layers, experts):
@@ -83,3 +84,44 @@ def test_an_instance_reading_a_key_twice_is_not_the_pattern_of_others():
              .global_offset[0]): plan.sources[c.source].key for c in plan.copies}
     assert read == {(f"b.{i}.{j}", half): f"a.{j}.{i}" if half else f"a.{i}.{j}"
                     for i in range(2) for j in range(2) for half in (0, 2)}
+
+
+
+def _renames(layers):
+    """`m.$LAYER_ID.w^T -> d.$LAYER_ID.w` over ``layers`` layers laid out alike."""
+    source = {f"m.{i}.w": sharded(f"m.{i}.w", (4, 8), 2, 0) for i in range(layers)}
+    destination = {f"d.{i}.w": sharded(f"d.{i}.w", (8, 4), 2, 1) for i in range(layers)}
+    return ["m.$LAYER_ID.w^T -> d.$LAYER_ID.w"], source, destination
+
+
+class _SharingWherePays:
+    """The Paddle drop-in's share_instances."""
+
+    NAME = share_instances.NAME
+    run = staticmethod(share_instances.run_where_it_pays)
+
+
+@pytest.mark.parametrize(("layers", "written", "pays"), [
+    (2, "m.$LAYER_ID.w^T -> d.$LAYER_ID.w", False),  # two instances of a rename
+    (2, "m.0.w^T -> d.0.w", False),  # no template
+    (3, "m.$LAYER_ID.w^T -> d.$LAYER_ID.w", True),  # three instances
+    (2, "m.$LAYER_ID.w^T -> d.$LAYER_ID.w, dtype='float32'", True),  # a cast
+])
+def test_sharing_pays_for_three_instances_or_more_than_a_rename(layers, written, pays):
+    _, source, destination = _renames(layers)
+    ctx = new_context(source, destination)
+    program = run_passes(texts([written]), ctx, PIPELINE[:PIPELINE.index(share_instances)])
+    assert share_instances.pays(program) is pays
+    shared = share_instances.run_where_it_pays(program, ctx)
+    assert (shared is program) is not pays
+    full = [analyze(*_renames(layers), passes=passes).plan() for passes in (
+        PIPELINE, tuple(_SharingWherePays if p is share_instances else p for p in PIPELINE))]
+    assert full[0].destinations == full[1].destinations and full[0].copies == full[1].copies
+
+
+def test_a_fused_template_of_two_instances_pays():
+    source, destination = model(2, 1)
+    ctx = new_context(source, destination)
+    program = run_passes(texts(PROGRAMS["fused"]), ctx,
+                         PIPELINE[:PIPELINE.index(share_instances)])
+    assert share_instances.pays(program)

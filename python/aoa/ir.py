@@ -168,6 +168,18 @@ def make_name(text: str, span: Span | None = None,
     return name
 
 
+_AttributeFields = fields_twin(Attribute)
+
+
+def make_attribute(key: str, value: int | str | None, span: Span | None = None) -> Attribute:
+    """``Attribute(key, value, span)`` by plain stores, as `make_name`: Paddle's lists
+    write `axis=N` on most of their statements."""
+    attribute = _new_object(_AttributeFields)
+    attribute.key, attribute.value, attribute.span = key, value, span
+    attribute.__class__ = Attribute
+    return attribute
+
+
 _StatementFields = fields_twin(Statement)
 
 

@@ -16,7 +16,7 @@ from aoa.collector import collector_paused
 from aoa.errors import UsageError, quote
 from aoa.frozen import fields_twin
 from aoa.layout import ShardDesc, as_shard
-from aoa.passes import propagate_shapes, through
+from aoa.passes import Pass, propagate_shapes, share_instances, through
 from aoa.passes.plan import Planner
 from aoa.pipeline import compile_in, new_context
 from aoa.symbolic import Entry, Op, Permute
@@ -36,6 +36,19 @@ class ShardMappingEntry:
     source_slice: ShardDesc
     postprocess_list: list[str] | None = None
 
+
+class _ShareWherePays:
+    """share_instances as the drop-in runs it: only where it pays (`share_instances.pays`);
+    a loader compiles a small model's program at every load, its templates of two
+    instances each."""
+
+    NAME = share_instances.NAME
+    run = staticmethod(share_instances.run_where_it_pays)
+
+
+#: the passes the drop-in runs: through shape propagation
+_PASSES: tuple[Pass, ...] = tuple(_ShareWherePays if p is share_instances else p
+                                  for p in through(propagate_shapes))
 
 _EntryFields = fields_twin(ShardMappingEntry)
 _ShardFields = fields_twin(ShardDesc)
@@ -83,7 +96,7 @@ class AOAEngine:
         ctx = new_context(source_state_shard_info, destination_state_shard_info, self.reverse)
         self.source = ctx.source
         self.destination = ctx.destination
-        self.compilation = compile_in(ctx, self.statements, passes=through(propagate_shapes))
+        self.compilation = compile_in(ctx, self.statements, passes=_PASSES)
         self._planner = Planner(self.compilation.tensors, ctx)
         if self.destination is None:
             return

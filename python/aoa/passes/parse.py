@@ -20,6 +20,7 @@ from aoa.ir import (
     Name,
     Program,
     Statement,
+    make_attribute,
     make_name,
     make_statement,
 )
@@ -192,7 +193,9 @@ _TOKENS = re.compile(
 _Tok = tuple[str, str, int, int]
 
 
-_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9.$_*^]*"
+#: an identifier's run possessive: what follows one in these patterns (blanks, `,`, `->`,
+#: `=`, the end) never starts with its characters, so giving some back cannot help a match
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9.$_*^]*+"
 _NAMES = rf"{_IDENTIFIER}(?:[ \t]*,[ \t]*{_IDENTIFIER})*"
 _VALUE = rf"""(\d+)|"([^"\n]*)"|'([^'\n]*)'|({_IDENTIFIER})"""
 #: one statement alone on its line, its names then `key=value` attributes: what Paddle's
@@ -218,7 +221,7 @@ def _one_line_parse(source: SourceText) -> list[Statement] | None:
             else not FLAG_ATTRIBUTES.isdisjoint([name.text for name in right])):
         while right and right[-1].text in FLAG_ATTRIBUTES:
             flag = right.pop()
-            attributes.append(Attribute(flag.text, None, flag.span))
+            attributes.append(make_attribute(flag.text, None, flag.span))
         if not right or any(name.text in FLAG_ATTRIBUTES for name in right):
             return None  # a name after the attributes, or none before: Lark's path says so
         attributes.reverse()
@@ -238,8 +241,8 @@ def _one_line_parse(source: SourceText) -> list[Statement] | None:
                 held = word
             else:
                 held = double if double is not None else single
-            attributes.append(Attribute(key, held, make_span(source, 1, attribute.start() + 1, 1,
-                                                        attribute.end() + 1)))
+            attributes.append(make_attribute(key, held, make_span(
+                source, 1, attribute.start() + 1, 1, attribute.end() + 1)))
     return [make_statement(left, tuple(right), tuple(attributes),
                            make_span(source, 1, found.start(1) + 1, 1, end + 1))]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from aoa.ir import NOTHING, Follower, Program, SharedInstances, Statement
 from aoa.layout import (
@@ -52,9 +52,9 @@ def _signatures(info: dict[str, list[ShardDesc]] | None, shardings: dict[str, in
 
 def run(program: Program, ctx: CompileContext) -> Program:
     """The program with the instances that follow a kept one moved to ``Program.shared``."""
-    if ctx.destination is None or ctx.reverse:
-        return program
     statements = program.statements
+    if ctx.destination is None or ctx.reverse or all(s.origin is None for s in statements):
+        return program  # (no statement is a template's instance: nothing to share)
     # each statement's read keys (names without ^T) and written names, worked out once:
     # big models have tens of thousands of instances and every step below needs them
     bases = [(s.left[0].base,) if len(s.left) == 1 else tuple([n.base for n in s.left])
@@ -73,16 +73,39 @@ def run(program: Program, ctx: CompileContext) -> Program:
     return Program(tuple(sharing.kept), program.shared + shared)
 
 
-def _runs_of_one_origin(statements: Sequence[Statement]) -> list[tuple[int, int]]:
+def pays(program: Program) -> bool:
+    """Whether sharing can save more than it costs ``program``: some template has three
+    or more instances, or instances that are more than a rename (several names a side,
+    attributes: fused macros, casts). A kept rename's follower costs the later passes
+    about what compiling the rename does, so for a program of two-instance renames (a
+    small model's checkpoint, compiled by the Paddle drop-in at every load) the pass's
+    walk over every statement would be paid for nothing."""
+    statements = program.statements
+    for start, stop in _runs_of_one_origin(statements):
+        first = statements[start]
+        if first.origin is not None and (stop - start > 2 or (
+                stop - start == 2 and (len(first.left) != 1 or len(first.right) != 1
+                                       or first.attributes))):
+            return True
+    return False
+
+
+def run_where_it_pays(program: Program, ctx: CompileContext) -> Program:
+    """`run` where it `pays`, else the program as it is: the same tensors and plan either
+    way (sharing changes what the later passes see, never what they make)."""
+    return run(program, ctx) if pays(program) else program
+
+
+def _runs_of_one_origin(statements: Sequence[Statement]) -> Iterator[tuple[int, int]]:
     """(start, stop) of each run of statements made by one expansion (one Origin object:
-    a template's instances); a statement the user wrote is a run of its own."""
-    runs, start = [], 0
+    a template's instances); a statement the user wrote is a run of its own. One at a
+    time: `pays` stops at the first run that pays, in a big model's first statements."""
+    start = 0
     for index in range(1, len(statements) + 1):
         if (index == len(statements) or statements[index].origin is None
                 or statements[index].origin is not statements[start].origin):
-            runs.append((start, index))
+            yield start, index
             start = index
-    return runs
 
 
 class _Sharing:
