@@ -30,6 +30,8 @@ from aoa.storage.safetensors_folder import (
 
 #: Written beside the sharding info, as DCP's Hugging Face storage writer does.
 _DCP_VERSION = {"DCP_VERSION": "1.0"}
+#: The characters JSON writes as themselves: printable ASCII but quotes and backslashes.
+_PLAIN_JSON = bytes(c for c in range(0x20, 0x7F) if chr(c) not in '"\\')
 
 
 class DcpSafetensorsDestination(Destination):
@@ -95,7 +97,7 @@ class DcpSafetensorsDestination(Destination):
         the ranks' files hold the same keys (61x256 to TP4: 31k keys in 125k shards)."""
         keys = list(dict.fromkeys(map(_KEY, self.shards)))
         joined = "".join(keys)
-        if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+        if joined.isascii() and not joined.encode().translate(None, _PLAIN_JSON):
             # each reads as itself between quotes: one join and one split (no key holds a
             # newline), not an encoder call per key
             return dict(zip(keys, ('"' + '"\n"'.join(keys) + '"').split("\n")))
