@@ -572,3 +572,16 @@ def test_dcp_safetensors_ranks_laid_out_alike_or_not(specs, ranks) -> None:
             ShardSpan(i, offset, spec.nbytes, ITEMSIZES[spec.dtype])
             for i, offset, spec in zip(file.shards, offsets, held)]
         assert layout.size == offsets[-1]
+
+
+def test_a_file_of_more_bytes_than_int64_counts_is_refused(tmp_path: Path) -> None:
+    """Each tensor fits, their sum does not: refused naming the file, not laid out with
+    offsets that wrapped around."""
+    tensors = [ShardDesc.full(key, (2**60,), "float32") for key in ("a", "b")]
+    files = DcpSafetensorsDestination.plan_files(tensors, None)
+    destination = DcpSafetensorsDestination(tmp_path, tensors, files)
+    with pytest.raises(StorageError) as caught:
+        destination.layout(files[0])
+    assert caught.value.message == (
+        f"{tmp_path / files[0].filename}: its tensors hold {2**63} bytes, more than a file "
+        f"can ({2**63 - 1})")

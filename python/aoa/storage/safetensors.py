@@ -30,7 +30,7 @@ from aoa.dtypes import ITEMSIZES, SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize
 from aoa.errors import StorageError, quote
 from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc, shard_kinds
-from aoa.limits import MAX_DIMS, shape_problem
+from aoa.limits import MAX_BYTES, MAX_DIMS, shape_problem
 from aoa.storage.compact_header import read_compact_header
 from aoa.storage.folder import sync_folder
 from aoa.storage.formats import FileLayout, ShardSpans
@@ -519,7 +519,12 @@ def header_entries(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
     keys once each, none reserved, dtypes safetensors has."""
     kinds = shard_kinds(tensors)
     _check_specs(path, tensors, keys, kinds[1])
-    return _entries(tensors, keys, key_texts, kinds=kinds)
+    entries = _entries(tensors, keys, key_texts, kinds=kinds)
+    total = sum(entries.sizes.tolist())  # exact: the int64 offsets wrap past MAX_BYTES
+    if total > MAX_BYTES:
+        raise StorageError(f"{path}: its tensors hold {total} bytes, more than a file can "
+                           f"({MAX_BYTES})")
+    return entries
 
 
 def _entries(tensors: Sequence[ShardDesc], keys: list[str],
