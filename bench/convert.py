@@ -16,8 +16,12 @@ With --cold, each command run starts with the source out of the page cache
 reading is measured), beside `dd if=SRC of=/dev/null bs=16M iflag=direct` (the goal:
 command <= 1.25x dd, i.e. reading at >= 0.8x its speed).
 
+With --base PYTHON, each repeat runs the command with that interpreter too (another build
+of aoa, e.g. a venv of main), just before this one: an A/B in the same run, on a disk whose
+speed swings within minutes.
+
 Usage: python bench/convert.py [--layers 8] [--repeats 3] [--threads N] [--work DIR]
-       [--command-only] [--cold [--cold-output DIR]]
+       [--command-only] [--cold [--cold-output DIR]] [--base PYTHON]
 """
 
 from __future__ import annotations
@@ -140,10 +144,11 @@ CHILD = ("import sys; from aoa.cli import main; code = main(sys.argv[1:]); "
          "if l.startswith('VmHWM'))); sys.exit(code)")
 
 
-def run_command(work: Path, source: Path, output: Path, threads: int | None
-                ) -> tuple[float, int]:
-    """`aoa convert` in a fresh process: seconds from start to exit, and peak RSS (bytes)."""
-    command = [sys.executable, "-c", CHILD, "convert", str(work / "map.aoa"), "--source",
+def run_command(work: Path, source: Path, output: Path, threads: int | None,
+                python: str = sys.executable) -> tuple[float, int]:
+    """`aoa convert` in a fresh process of ``python``: seconds from start to exit, and peak
+    RSS (bytes)."""
+    command = [python, "-c", CHILD, "convert", str(work / "map.aoa"), "--source",
                str(source), "--output", str(output), "--quiet", "--layout",
                str(demo.data_file("llama_tp2.toml"))]
     if threads:
@@ -194,8 +199,14 @@ def command_table(work: Path, source: Path, args: argparse.Namespace) -> None:
     output = out_root / "out-command"
     source_file = source / "model.safetensors"
     rows = []
+    bases: list[float] = []
     nbytes = 0
     for repeat in range(args.repeats):
+        if args.base:  # the other build first, then this one, in each repeat
+            shutil.rmtree(output, ignore_errors=True)
+            if cold:
+                drop_from_page_cache(source_file)
+            bases.append(run_command(work, source, output, args.threads, args.base)[0])
         shutil.rmtree(output, ignore_errors=True)
         if cold:
             drop_from_page_cache(source_file)
@@ -207,7 +218,8 @@ def command_table(work: Path, source: Path, args: argparse.Namespace) -> None:
         else:
             base = dd_write(work / "dd.out", nbytes)
         rows.append((seconds, base, peak))
-        print(f"repeat {repeat + 1}: command {seconds:.3f} s, dd {base:.3f} s, "
+        other = f", base {bases[-1]:.3f} s" if bases else ""
+        print(f"repeat {repeat + 1}: command {seconds:.3f} s{other}, dd {base:.3f} s, "
               f"ratio {seconds / base:.2f}, peak RSS {peak / 1e6:.0f} MB", file=sys.stderr)
     shutil.rmtree(output, ignore_errors=True)
     what = (f"reading {source_file.stat().st_size / 1e9:.2f} GB from {file_system(source)}, "
@@ -215,9 +227,24 @@ def command_table(work: Path, source: Path, args: argparse.Namespace) -> None:
             f"writing {nbytes / 1e9:.2f} GB to {file_system(work)}")
     base_name = "dd iflag=direct" if cold else "dd oflag=direct"
     print(f"aoa convert as a process ({args.layers} layers), {what}")
-    print(f"{'repeat':>6s}{'command s':>11s}{base_name:>17s}{'ratio':>8s}{'peak RSS MB':>13s}")
+    other = f"{'base s':>9s}{'base ratio':>12s}" if bases else ""
+    print(f"{'repeat':>6s}{'command s':>11s}{base_name:>17s}{'ratio':>8s}{'peak RSS MB':>13s}"
+          + other)
     for repeat, (seconds, base, peak) in enumerate(rows, start=1):
-        print(f"{repeat:6d}{seconds:11.3f}{base:17.3f}{seconds / base:8.2f}{peak / 1e6:13.0f}")
+        other = (f"{bases[repeat - 1]:9.3f}{bases[repeat - 1] / base:12.2f}" if bases
+                 else "")
+        print(f"{repeat:6d}{seconds:11.3f}{base:17.3f}{seconds / base:8.2f}{peak / 1e6:13.0f}"
+              + other)
+    if len(rows) > 1:
+        ratios = sorted(seconds / base for seconds, base, _ in rows)
+        line = (f"ratio median {statistics.median(ratios):.2f} "
+                f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
+        if bases:
+            others = sorted(b / base for b, (_, base, _) in zip(bases, rows))
+            line += (f", base {statistics.median(others):.2f} ({others[0]:.2f}-{others[-1]:.2f})"
+                     f"; this faster in {sum(s < b for b, (s, _, _) in zip(bases, rows))} "
+                     f"of {len(rows)}")
+        print(line)
 
 
 def main() -> None:
@@ -233,6 +260,9 @@ def main() -> None:
                              "reading it (implies --command-only)")
     parser.add_argument("--cold-output", default="/dev/shm/aoa-bench-cold",
                         help="where --cold writes (default: memory, /dev/shm)")
+    parser.add_argument("--base", metavar="PYTHON",
+                        help="also run the command with this interpreter (another build of "
+                             "aoa), just before this one in each repeat: an A/B in one run")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="aoa-bench-"))
     source = work / "hf"

@@ -249,6 +249,7 @@ def info_of(*shards: str, key: str = "w") -> str:
     info_of(W)[:-1] + ',"v": [' + W + "]}", info_of(W).replace(": ", ":"),
     info_of(shard(", ", ",")), info_of(W, key="w\\u0077"),
     info_of(shard('"w"', '"w\x01"'), key="w\x01"),
+    '{"}], ' + info_of(W)[1:],  # an empty text between keys: no key, no list
 ])
 def test_other_texts_are_left_to_parsing(text, tmp_path):
     assert read_regular_shard_info(text) is None

@@ -122,6 +122,14 @@ def test_sharding_info_as_json_dumps_writes_it_reads_as_the_parser_reads_it() ->
         key: entry["saved_offsets"] for key, entry in info.items()}
 
 
+def test_sharding_info_listing_the_header_names_reads_the_same() -> None:
+    text = '{"a": {"saved_offsets": [0, 64]}, "b": {"saved_offsets": [8]}}'
+    assert read_saved_offsets(text, ["a", "b"]) == read_saved_offsets(text) == (
+        ["a", "b"], [(0, 64), (8,)])
+    twice = '{"a": {"saved_offsets": [0]}, "a": {"saved_offsets": [8]}}'
+    assert read_saved_offsets(twice, ["a", "b"]) is None
+
+
 @pytest.mark.parametrize("text", [
     '{"a": {"saved_offsets": [0, 1]}, "a": {"saved_offsets": [0, 2]}}',  # a key twice
     '{"a": {"saved_offsets": [0,1]}}',  # other spacing

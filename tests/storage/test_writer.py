@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -303,3 +304,30 @@ def test_buffers_of_whole_blocks() -> None:
         StagingBuffers(2, ALIGNMENT + 1)
     assert writer.BUFFER_BYTES % ALIGNMENT == 0
 
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc only")
+def test_staging_buffers_are_private_memory_asking_for_huge_pages():
+    """Direct writes from 2 MiB pages reach the device as its largest requests
+    (bench/README.md: staging buffers in huge pages)."""
+    with StagingBuffers(2, 4 << 20) as buffers:
+        buffer = buffers.take()
+        address = np.frombuffer(buffer, np.uint8).ctypes.data
+        flags = mapping_flags(address)
+        buffers.free.put(buffer)
+    assert "sh" not in flags  # private, not shared
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" in flags  # MADV_HUGEPAGE
+
+
+def mapping_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address``, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -7,19 +7,10 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-
-from lark import (
-    Lark,
-    Token,
-    Transformer,
-    UnexpectedCharacters,
-    UnexpectedInput,
-    UnexpectedToken,
-)
-from lark.exceptions import VisitError
+from typing import TYPE_CHECKING
 
 from aoa.errors import AoaSyntaxError, UsageError, quote
 from aoa.ir import (
@@ -35,6 +26,9 @@ from aoa.ir import (
 from aoa.limits import MAX_NUMBER_DIGITS
 from aoa.passes.context import CompileContext
 from aoa.source import SourceText, Span, make_source_text, make_span
+
+if TYPE_CHECKING:  # Lark is imported where a text is parsed by it: the fast path takes most
+    from lark import Lark, Token, Transformer, UnexpectedInput
 
 NAME = "parse"
 
@@ -55,6 +49,8 @@ def _grammar_text() -> str:
 
 @functools.cache
 def _parser() -> Lark:
+    from lark import Lark
+
     return Lark(_grammar_text(), parser="lalr", start="program", maybe_placeholders=False,
                 cache=True)
 
@@ -65,8 +61,17 @@ def _span(source: SourceText, first: Token, last: Token | None = None) -> Span:
                 int(last.end_column or 1))
 
 
-class _ToIR(Transformer):
-    """Builds IR nodes; a bare `fused_ffn`-style word on the right becomes a flag attribute."""
+@functools.cache
+def _to_ir() -> Callable[[SourceText], Transformer]:
+    """`_ToIR` as a Lark Transformer (made when Lark's path is first taken)."""
+    from lark import Transformer
+
+    return type("_ToIR", (_ToIR, Transformer), {})
+
+
+class _ToIR:
+    """Builds IR nodes; a bare `fused_ffn`-style word on the right becomes a flag attribute.
+    (Lark's callbacks, mixed into its Transformer by `_to_ir`.)"""
 
     def __init__(self, source: SourceText) -> None:
         super().__init__()
@@ -123,6 +128,8 @@ class _ToIR(Transformer):
 
 
 def _syntax_error(source: SourceText, error: UnexpectedInput) -> AoaSyntaxError:
+    from lark import UnexpectedCharacters, UnexpectedToken
+
     line, column = int(error.line or 1), int(error.column or 1)
     if isinstance(error, UnexpectedCharacters):
         position = int(error.pos_in_stream or 0)
@@ -373,7 +380,7 @@ def _statement(source: SourceText, left: tuple[Name, ...], items: Sequence[Name 
         > right[-1].span.end_column)  # type: ignore[union-attr]
         else (right[-1] if right else arrow))
     assert last is not None
-    last_span = last.span if not isinstance(last, Token) else _span(source, last)
+    last_span = last.span if isinstance(last, (Name, Attribute)) else _span(source, last)
     span = Span(source, first.line, first.column, last_span.end_line,  # type: ignore
                 last_span.end_column)  # type: ignore[union-attr]
     return Statement(left, tuple(right), tuple(attributes), span)
@@ -389,12 +396,15 @@ def parse_source(source: SourceText) -> list[Statement]:
 
 def _lark_parse(source: SourceText) -> list[Statement]:
     """`parse_source` by Lark: every text, and every error's message."""
+    from lark import UnexpectedInput
+    from lark.exceptions import VisitError
+
     try:
         tree = _parser().parse(source.text)
     except UnexpectedInput as error:
         raise _syntax_error(source, error) from None
     try:
-        return _ToIR(source).transform(tree)
+        return _to_ir()(source).transform(tree)
     except VisitError as error:
         raise error.orig_exc from None
 

@@ -20,21 +20,20 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Sequence
 
-from aoa.inputs import has_surrogate_escape
+from aoa.inputs import is_text
 
 _METADATA_OPENS = '{"__metadata__":'
 _METADATA_KEY = "__metadata__"
 _JSON_SPACE = " \t\n\r"
-#: One entry and the comma after it (none after the last); its groups: name, dtype, shape,
-#: first and last data offset, comma. Numbers are checked to be JSON's after the match.
+#: One entry; its groups: name, dtype, shape, first and last data offset (numbers as JSON
+#: writes them; a shape's are checked after the match). `split` by it, the texts between
+#: entries must be commas: the entries then tile the text.
 _ENTRY = re.compile(r'"([^"]*)":\{"dtype":"([^"]*)","shape":\[([0-9,]*)\],'
-                    r'"data_offsets":\[([0-9]+),([0-9]+)\]\}(,?)')
-#: What an entry's text holds besides its groups.
-_ENTRY_FIXED = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')
-#: One entry of sharding info and the `, ` after it; groups: name, offsets, separator.
-_SAVED = re.compile(r'"([^"]*)": \{"saved_offsets": \[([0-9, ]*)\]\}((?:, )?)')
-_SAVED_FIXED = len('"": {"saved_offsets": []}')
+                    r'"data_offsets":\[(0|[1-9][0-9]*),(0|[1-9][0-9]*)\]\}')
+#: One entry of sharding info (`, ` between two); groups: name, offsets.
+_SAVED = re.compile(r'"([^"]*)": \{"saved_offsets": \[([0-9, ]*)\]\}')
 _CONTROL_BYTES = bytes(range(0x20))
 #: The header's last characters, where its padding is looked for: JSON allows any amount of
 #: whitespace there, writers pad to 8 bytes (more whitespace goes to the JSON parser).
@@ -56,23 +55,21 @@ def read_compact_header(text: str) -> CompactHeader | None:
     body_ends = len(text) - (len(tail) - len(tail.rstrip(_JSON_SPACE))) - 1
     if text[body_ends - 1:body_ends + 1] != "}}" or text.find("\\", body_opens, body_ends) >= 0:
         return None  # (an escape in a name: its text is not the name)
-    rows = _ENTRY.findall(text, body_opens, body_ends)
-    if not rows:
-        return None
-    names, codes, shapes, begins, ends, commas = map(list, zip(*rows))
-    covered = len(rows) * _ENTRY_FIXED + sum(
-        sum(map(len, column)) for column in (names, codes, shapes, begins, ends, commas))
-    if (covered != body_ends - body_opens or commas[-1]
-            or commas.count(",") != len(commas) - 1):
+    # [between, name, dtype, shape, first, last, between, ...]: no call per entry
+    cut = _ENTRY.split(text[body_opens:body_ends])
+    names, codes, shapes, begins, ends = (cut[group::_ENTRY_GROUPS + 1]
+                                          for group in range(1, _ENTRY_GROUPS + 1))
+    if not names or not _apart(cut[::_ENTRY_GROUPS + 1], ","):
         return None  # text between or around the entries, or two not parted by a comma
     if not _plain(names) or len(set(names)) != len(names) or _METADATA_KEY in names:
-        return None
-    if _leading_zero(begins) or _leading_zero(ends):
         return None
     try:
         boxes = {shape: tuple(map(int, shape.split(","))) if shape else ()
                  for shape in dict.fromkeys(shapes)}
-        first, last = list(map(int, begins)), list(map(int, ends))
+        last = list(map(int, ends))
+        # listed back to back (as writers do), each entry begins where the one before ends
+        first = ([0, *last[:-1]] if begins[0] == "0" and begins[1:] == ends[:-1]
+                 else list(map(int, begins)))
     except ValueError:  # an empty extent, or a number past Python's 4300 digits
         return None
     if not all(map(_as_written, boxes.values(), boxes)):
@@ -80,25 +77,28 @@ def read_compact_header(text: str) -> CompactHeader | None:
     return metadata, names, codes, list(map(boxes.__getitem__, shapes)), first, last
 
 
-def _leading_zero(numbers: list[str]) -> bool:
-    """Whether a number's text (digits) starts with a zero and is not `0`."""
-    return sum(map(str.startswith, numbers, itertools.repeat("0"))) != numbers.count("0")
+_ENTRY_GROUPS = _ENTRY.groups
 
 
-def read_saved_offsets(text: str) -> tuple[list[str], list[tuple[int, ...]]] | None:
-    """The keys of sharding info ``text`` and each one's saved offsets, if it is in
-    `json.dumps`'s form with each key once; else None (read it with a JSON parser)."""
+def _apart(between: list[str], separator: str) -> bool:
+    """Whether the texts around and between the matches of a `split` are nothing at the
+    ends and ``separator`` between any two."""
+    return (between[0] == between[-1] == ""
+            and between.count(separator) == len(between) - 2)
+
+
+def read_saved_offsets(text: str, names: Sequence[str] = ()
+                       ) -> tuple[list[str], list[tuple[int, ...]]] | None:
+    """The keys of sharding info ``text`` and each one's saved offsets (equal ones one
+    object), if it is in `json.dumps`'s form with each key once; else None (read it with a
+    JSON parser). ``names``: distinct names (a header's); keys listed as they are need not
+    be checked to be distinct again."""
     if not (text.startswith('{"') and text.endswith("]}}")) or "\\" in text:
         return None
-    body = text[1:-1]
-    rows = _SAVED.findall(body)
-    if not rows:
-        return None
-    keys, offsets, commas = map(list, zip(*rows))
-    covered = len(rows) * _SAVED_FIXED + sum(
-        sum(map(len, column)) for column in (keys, offsets, commas))
-    if (covered != len(body) or commas[-1] or commas.count(", ") != len(commas) - 1
-            or not _plain(keys) or len(set(keys)) != len(keys)):
+    cut = _SAVED.split(text[1:-1])  # [between, key, offsets, between, ...]
+    keys, offsets = cut[1::3], cut[2::3]
+    if not keys or not _apart(cut[::3], ", ") or not _plain(keys) or (
+            keys != names and len(set(keys)) != len(keys)):
         return None
     try:
         boxes = {box: tuple(map(int, box.split(", "))) if box else ()
@@ -123,7 +123,8 @@ def _metadata(text: str) -> tuple[int | None, dict[str, str]]:
     metadata = dict(pairs)
     if (len(metadata) != len(pairs) or not all(type(value) is str for value in metadata.values())
             or text[end:end + 1] != ","
-            or (text.find("\\u", 0, end) >= 0 and has_surrogate_escape(text[:end]))):
+            or not all(string.isascii() or is_text(string)  # (a lone surrogate escaped)
+                       for string in itertools.chain(metadata, metadata.values()))):
         return None, {}
     return end + 1, metadata
 

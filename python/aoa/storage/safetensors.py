@@ -281,24 +281,25 @@ def _read_well_formed(text: str, data_start: int, data_bytes: int
             and min(extents, default=0) >= 0 and min(bounds, default=0) >= 0
             and max(map(len, shapes), default=0) <= MAX_DIMS):
         return None
-    return _in_byte_order(metadata, names, codes, shapes, bounds[0::2], bounds[1::2],
-                          data_start, data_bytes)
+    return _in_byte_order(metadata, names, codes, list(interned(list(map(tuple, shapes)))),
+                          bounds[0::2], bounds[1::2], data_start, data_bytes)
 
 
 def _in_byte_order(metadata: dict[str, str], names: list[str], codes: Sequence[str],
-                   shapes: Sequence[Sequence[int]], begins: list[int], ends: list[int],
+                   shapes: list[tuple[int, ...]], begins: list[int], ends: list[int],
                    data_start: int, data_bytes: int
                    ) -> tuple[dict[str, str], TensorColumns] | None:
     """The columns of well-typed entries (known dtype codes, extents and offsets that are
-    ints >= 0), in the order of their bytes, if each entry's range holds its shape and the
-    ranges tile the data back to back; None at the first doubt."""
+    ints >= 0; equal shapes one object, `interned`), in the order of their bytes, if each
+    entry's range holds its shape and the ranges tile the data back to back; None at the
+    first doubt."""
     kinds = set(codes)
     sizes = ([_ITEMSIZE_OF_CODE[next(iter(kinds))]] * len(codes) if len(kinds) == 1 else
              list(map(_ITEMSIZE_OF_CODE.__getitem__, codes)))  # (one dtype: one look-up)
     needed = list(map(operator.mul, map(math.prod, shapes), sizes))
     if list(map(operator.sub, ends, begins)) != needed or max(ends, default=0) > data_bytes:
         return None
-    if 0 in needed and any(shape_problem(tuple(shape), size) is not None
+    if 0 in needed and any(shape_problem(shape, size) is not None
                            for shape, size, nbytes in zip(shapes, sizes, needed) if not nbytes):
         return None  # holding nothing, a shape may still count past int64 (see shape_problem)
     if begins != [0, *ends[:-1]]:  # not listed back to back: put in order of their bytes
@@ -314,8 +315,8 @@ def _in_byte_order(metadata: dict[str, str], names: list[str], codes: Sequence[s
     dtypes = ([SAFETENSORS_CODES[codes[0]]] * len(codes) if len(kinds) == 1 else
               list(map(SAFETENSORS_CODES.__getitem__, codes)))
     return metadata, TensorColumns(
-        names, dtypes, list(interned(list(map(tuple, shapes)))),
-        list(map(operator.add, begins, itertools.repeat(data_start))), needed)
+        names, dtypes, shapes, list(map(operator.add, begins, itertools.repeat(data_start))),
+        needed)
 
 
 def _taken(column: Sequence[Any], order: list[int]) -> list[Any]:

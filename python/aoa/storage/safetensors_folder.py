@@ -378,8 +378,8 @@ def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...
     partial = False
     for file, found in listed:
         names = file.columns.names
-        if len(found) == len(names):
-            offsets += map(found.__getitem__, names)
+        if len(found) == len(names):  # (listed as the header lists them, as DCP writes them)
+            offsets += found.values() if list(found) == names else map(found.__getitem__, names)
         else:  # a tensor without an offset is whole
             partial = True
             offsets += map(found.get, names,
@@ -436,14 +436,14 @@ def _offsets_in_written_form(text: str, file: SafetensorsFile
                              ) -> dict[str, tuple[int, ...]] | None:
     """`_well_formed_offsets` of sharding info in `json.dumps`'s form, read without a JSON
     parser (`read_saved_offsets`); None where it is not in that form or has a fault."""
-    found = read_saved_offsets(text)
+    found = read_saved_offsets(text, file.columns.names)
     if found is None:
         return None
     keys, saved = found
     ranks = _ranks(keys, file)
     if ranks is None or list(map(len, saved)) != ranks:
         return None
-    return dict(zip(keys, interned(saved)))
+    return dict(zip(keys, saved))
 
 
 def _ranks(keys: Sequence[str], file: SafetensorsFile) -> list[int] | None:

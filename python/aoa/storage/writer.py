@@ -9,9 +9,10 @@ never filled (so fsync has nothing left to write back), and memory stays at the 
 whatever the size of the file.
 
 Direct I/O wants offsets, lengths and memory aligned to the device's blocks: the buffers
-are page-aligned anonymous memory; each is written up to the last 4 KiB boundary it
-reaches, and the bytes past it (less than 4 KiB) open the next buffer; the last one is
-padded, and the file cut to its size. Where the file system refuses ``O_DIRECT`` (at open
+are page-aligned anonymous memory, in huge pages where the system gives them (`_buffer`:
+the device then gets requests of its largest size); each is written up to the last 4 KiB
+boundary it reaches, and the bytes past it (less than 4 KiB) open the next buffer; the last
+one is padded, and the file cut to its size. Where the file system refuses ``O_DIRECT`` (at open
 or at the first write), the same buffers go through the page cache instead, and the file
 is fsynced; `write_file` says which way it wrote.
 
@@ -80,7 +81,7 @@ class StagingBuffers:
     def take(self) -> mmap.mmap:
         """A free buffer: waits for a write to hand one back."""
         if not self._buffers:
-            self._buffers = [mmap.mmap(-1, self.nbytes) for _ in range(self.count)]
+            self._buffers = [_buffer(self.nbytes) for _ in range(self.count)]
             for buffer in self._buffers:
                 self.free.put(buffer)
         return self.free.get()
@@ -113,6 +114,20 @@ class StagingBuffers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _buffer(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory for a staging buffer, asked to be backed by huge pages
+    (``MADV_HUGEPAGE``; where transparent huge pages are off, 4 KiB ones as before). A
+    direct write from memory in 4 KiB pages reaches the device as requests of scattered
+    pages, about 1 MiB each here (254 segments); from 2 MiB pages, as requests of
+    ``max_sectors_kb`` (4 MiB): 1.55 GB written in 2.07 s instead of 3.53 s, dd 4.06 s
+    (bench/direct_writes.py, medians of six)."""
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: no file
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
 
 
 def write_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffers, *,
