@@ -535,3 +535,53 @@ def test_a_dcp_safetensors_layout_is_its_header_then_its_shards(specs) -> None:
         ShardSpan(i, offset, spec.nbytes, ITEMSIZES[spec.dtype])
         for i, (offset, spec) in enumerate(zip(offsets, tensors))]
     assert layout.size == offsets[-1] == len(header) + files[0].nbytes
+
+
+@settings(max_examples=100, deadline=None)
+@given(specs=st.lists(st.tuples(KEYS, st.sampled_from(ALL_DTYPES),
+                                st.lists(st.integers(0, 30), max_size=2)),
+                      max_size=5, unique_by=lambda spec: spec[0]),
+       ranks=st.lists(st.tuples(st.integers(1, 3), st.booleans(), st.booleans()),
+                      min_size=1, max_size=4))
+def test_dcp_safetensors_ranks_laid_out_alike_or_not(specs, ranks) -> None:
+    """Each rank's file is its own header then its shards, whether a rank holds the keys,
+    shapes and dtypes of the rank before it (and takes its header entries from it) or
+    shards of another shape, fewer keys, or other offsets."""
+    tensors: list[ShardDesc] = []
+    groups = []
+    for rank, (halve, fewer, shift) in enumerate(ranks):
+        chosen = specs[1:] if fewer else specs
+        groups.append(list(range(len(tensors), len(tensors) + len(chosen))))
+        for key, dtype, shape in chosen:
+            local = tuple(n // halve for n in shape)
+            offset = tuple(rank * n if shift else 0 for n in local)
+            tensors.append(ShardDesc(key, local, tuple(n * len(ranks) for n in shape),
+                                     offset, dtype))
+    files = DcpSafetensorsDestination.plan_files(tensors, groups)
+    destination = DcpSafetensorsDestination(Path("/nonexistent"), tensors, files)
+    for file in files:
+        held = [tensors[i] for i in file.shards]
+        header = dumped_header(held, {"DCP_SHARDING_INFO": json.dumps(
+            {spec.key: {"saved_offsets": list(spec.global_offset)} for spec in held}),
+            "DCP_VERSION": "1.0"})
+        layout = destination.layout(file)
+        assert layout.fixed == [(0, header)]
+        offsets = list(itertools.accumulate((spec.nbytes for spec in held),
+                                            initial=len(header)))
+        assert list(layout.shards) == [
+            ShardSpan(i, offset, spec.nbytes, ITEMSIZES[spec.dtype])
+            for i, offset, spec in zip(file.shards, offsets, held)]
+        assert layout.size == offsets[-1]
+
+
+def test_a_file_of_more_bytes_than_int64_counts_is_refused(tmp_path: Path) -> None:
+    """Each tensor fits, their sum does not: refused naming the file, not laid out with
+    offsets that wrapped around."""
+    tensors = [ShardDesc.full(key, (2**60,), "float32") for key in ("a", "b")]
+    files = DcpSafetensorsDestination.plan_files(tensors, None)
+    destination = DcpSafetensorsDestination(tmp_path, tensors, files)
+    with pytest.raises(StorageError) as caught:
+        destination.layout(files[0])
+    assert caught.value.message == (
+        f"{tmp_path / files[0].filename}: its tensors hold {2**63} bytes, more than a file "
+        f"can ({2**63 - 1})")

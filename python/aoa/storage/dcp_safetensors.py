@@ -15,10 +15,11 @@ import json
 import json.encoder
 import operator
 from collections.abc import Sequence
+from pathlib import Path
 
 from aoa.layout import ShardDesc, shards_nbytes
 from aoa.storage.formats import Destination, FileLayout, Format, OutputFile
-from aoa.storage.safetensors import file_layout
+from aoa.storage.safetensors import HeaderEntries, file_layout, header_entries
 from aoa.storage.safetensors_folder import (
     INDEX_NAME,
     OFFSETS_KEY,
@@ -29,6 +30,8 @@ from aoa.storage.safetensors_folder import (
 
 #: Written beside the sharding info, as DCP's Hugging Face storage writer does.
 _DCP_VERSION = {"DCP_VERSION": "1.0"}
+#: The characters JSON writes as themselves: printable ASCII but quotes and backslashes.
+_PLAIN_JSON = bytes(c for c in range(0x20, 0x7F) if chr(c) not in '"\\')
 
 
 class DcpSafetensorsDestination(Destination):
@@ -50,28 +53,65 @@ class DcpSafetensorsDestination(Destination):
                            sum(map(nbytes.__getitem__, indices)))
                 for rank, indices in enumerate(groups)]
 
+    #: the last rank's header entries, and the keys, shapes and dtypes they were made for
+    _alike: tuple[list[str], list[tuple[int, ...]], list[str | None], HeaderEntries] | None = None
+
     def layout(self, file: OutputFile) -> FileLayout:
         """The rank's shards under their keys, each one's global offset in the metadata."""
         shards = list(map(self.shards.__getitem__, file.shards))
         keys = list(map(_KEY, shards))
-        key_texts = list(map(self._key_texts.__getitem__, keys))
-        info = sharding_info(shards, key_texts)
-        metadata = {SHARDING_KEY: info, **_DCP_VERSION}
+        path = self.folder / file.filename
+        return file_layout(shards, file.shards, path, keys=keys,
+                           entries=self._entries(path, shards, keys),
+                           metadata_json=self._metadata_json(shards, keys))
+
+    def _entries(self, path: Path, shards: list[ShardDesc], keys: list[str]) -> HeaderEntries:
+        """The header's entries of the rank holding ``shards``: the last rank's again where
+        it held the same keys, shapes and dtypes in the same order, as the ranks of a
+        tensor-parallel output mostly do (61x256 to TP4: three of four ranks)."""
+        shapes = list(map(_LOCAL_SHAPE, shards))
+        dtypes = list(map(_DTYPE, shards))
+        alike = self._alike
+        if alike is not None and alike[0] == keys and alike[1] == shapes and alike[2] == dtypes:
+            return alike[3]
         # keys below DEL read the same ASCII-escaped or not: the header takes their texts
         joined = "".join(keys)
-        same = joined.isascii() and "\x7f" not in joined
-        return file_layout(shards, file.shards, self.folder / file.filename, metadata,
-                           keys=keys, key_texts=key_texts if same else None,
-                           metadata_json=_metadata_json(info))
+        texts = (list(map(self._key_texts.__getitem__, keys))
+                 if joined.isascii() and "\x7f" not in joined else None)
+        entries = header_entries(path, shards, keys, texts)
+        self._alike = (keys, shapes, dtypes, entries)
+        return entries
 
+    def _metadata_json(self, shards: list[ShardDesc], keys: list[str]) -> str:
+        """The file's metadata as ``json.dumps`` writes it (compact, not ASCII-escaped):
+        `sharding_info` as a JSON string, put together from pieces escaped beforehand (each
+        key's once for all the files) rather than escaped in a pass over the whole text."""
+        parts = _sharding_parts(shards, list(map(self._escaped_key_texts.__getitem__, keys)),
+                                '\\"')
+        return "".join((f'{{"{SHARDING_KEY}":"{{', *parts, '}",',
+                        json.dumps(_DCP_VERSION, separators=(",", ":"))[1:]))
 
     @functools.cached_property
     def _key_texts(self) -> dict[str, str]:
         """Each key as ``json.dumps`` writes it (ASCII-escaped), made once for all the files:
         the ranks' files hold the same keys (61x256 to TP4: 31k keys in 125k shards)."""
-        keys = dict.fromkeys(map(_KEY, self.shards))
+        keys = list(dict.fromkeys(map(_KEY, self.shards)))
+        joined = "".join(keys)
+        if joined.isascii() and not joined.encode().translate(None, _PLAIN_JSON):
+            # each reads as itself between quotes: one join and one split (no key holds a
+            # newline), not an encoder call per key
+            return dict(zip(keys, ('"' + '"\n"'.join(keys) + '"').split("\n")))
         return dict(zip(keys, map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
                                   keys)))
+
+    @functools.cached_property
+    def _escaped_key_texts(self) -> dict[str, str]:
+        """Each key's `_key_texts` escaped as it reads inside a JSON string (quotes and
+        backslashes; an ASCII-escaped text holds nothing else to escape, and no newline: one
+        join, two replaces and a split for them all)."""
+        texts = self._key_texts
+        escaped = "\n".join(texts.values()).replace("\\", "\\\\").replace('"', '\\"')
+        return dict(zip(texts, escaped.split("\n")))
 
 
 def sharding_info(shards: Sequence[ShardDesc], key_texts: Sequence[str] | None = None) -> str:
@@ -82,26 +122,28 @@ def sharding_info(shards: Sequence[ShardDesc], key_texts: Sequence[str] | None =
     if key_texts is None:
         key_texts = list(map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
                              map(_KEY, shards)))
+    return "".join(("{", *_sharding_parts(shards, key_texts, '"'), "}"))
+
+
+def _sharding_parts(shards: Sequence[ShardDesc], key_texts: Sequence[str], quote: str
+                    ) -> list[str]:
+    """The text of `sharding_info` between its braces, in pieces: each key's text and its
+    value, a quote written as ``quote`` (``\\"`` inside a JSON string, where ``key_texts``
+    are escaped alike)."""
     offsets = list(map(_GLOBAL_OFFSET, shards))
-    value = {offset: f': {{"{OFFSETS_KEY}": [{", ".join(map(str, offset))}]}}, '
+    value = {offset: f': {{{quote}{OFFSETS_KEY}{quote}: [{", ".join(map(str, offset))}]}}, '
              for offset in set(offsets)}
-    parts = ["{"] * (2 * len(offsets) + 1)  # "{", then each key and its value
-    parts[1::2] = key_texts
-    parts[2::2] = map(value.__getitem__, offsets)
-    return "".join(parts)[:-2] + "}" if offsets else "{}"
-
-
-def _metadata_json(info: str) -> str:
-    """What ``json.dumps`` (compact, not ASCII-escaped) makes of the file's metadata, the
-    sharding info ``info`` escaped without a pass to find what needs it: being ASCII-escaped
-    JSON, it holds no control character and nothing beyond ASCII, only quotes and
-    backslashes to escape."""
-    escaped = info.replace("\\", "\\\\").replace('"', '\\"')
-    return (f'{{"{SHARDING_KEY}":"{escaped}",'
-            + json.dumps(_DCP_VERSION, separators=(",", ":"))[1:])
+    parts = [""] * (2 * len(offsets))
+    parts[0::2] = key_texts
+    parts[1::2] = map(value.__getitem__, offsets)
+    if parts:
+        parts[-1] = parts[-1][:-2]  # no ", " after the last
+    return parts
 
 
 _KEY = operator.attrgetter("key")
+_DTYPE = operator.attrgetter("dtype")
+_LOCAL_SHAPE = operator.attrgetter("local_shape")
 _GLOBAL_OFFSET = operator.attrgetter("global_offset")
 
 

@@ -251,13 +251,15 @@ class ShardSpan(NamedTuple):
 
 class ShardSpans(Sequence[ShardSpan]):
     """Many `ShardSpan` held as four columns of equal length (shard indices, offsets, bytes,
-    item sizes): a format lays out a file of 100k shards without an object per shard, and
-    the writer takes the columns as they are. Read as a sequence, it makes each span."""
+    item sizes; lists, or int64 arrays): a format lays out a file of 100k shards without an
+    object per shard, and the writer takes the columns as they are. Read as a sequence, it
+    makes each span."""
 
     __slots__ = ("columns",)
 
-    def __init__(self, shards: Sequence[int], offsets: Sequence[int], nbytes: Sequence[int],
-                 itemsizes: Sequence[int]) -> None:
+    def __init__(self, shards: Sequence[int] | np.ndarray, offsets: Sequence[int] | np.ndarray,
+                 nbytes: Sequence[int] | np.ndarray,
+                 itemsizes: Sequence[int] | np.ndarray) -> None:
         self.columns = (shards, offsets, nbytes, itemsizes)
 
     def __len__(self) -> int:

@@ -30,7 +30,7 @@ from aoa.dtypes import ITEMSIZES, SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize
 from aoa.errors import StorageError, quote
 from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc, shard_kinds
-from aoa.limits import MAX_DIMS, shape_problem
+from aoa.limits import MAX_BYTES, MAX_DIMS, shape_problem
 from aoa.storage.compact_header import read_compact_header
 from aoa.storage.folder import sync_folder
 from aoa.storage.formats import FileLayout, ShardSpans
@@ -499,101 +499,134 @@ def _unmap(mapping: mmap.mmap) -> None:
 def header_bytes(tensors: Sequence[ShardDesc], metadata: dict[str, str] | None) -> bytes:
     """Length prefix and JSON header for ``tensors`` stored back to back in the given order,
     padded with spaces to a multiple of 8 bytes as the reference implementation does."""
-    keys = list(map(_KEY, tensors))
-    return _header(_columns(tensors, keys, kinds=shard_kinds(tensors)), metadata)
+    return _header(_entries(tensors, list(map(_KEY, tensors))), _metadata_text(metadata))
 
 
-class _Columns(NamedTuple):
-    """Tensors as columns: each one's key, the key as JSON text, bytes, item size and the
-    header text between its key and its data offsets (``:{"dtype":...,"data_offsets":[``)."""
+class HeaderEntries(NamedTuple):
+    """What a safetensors header says of its tensors: the entries' text (UTF-8, between the
+    braces, after the metadata), and each tensor's bytes and item size (int64 columns).
+    It depends on the keys, dtypes and local shapes alone: the ranks of a sharded output
+    laid out alike share one (`file_layout`'s ``entries``)."""
 
-    keys: list[str]
-    key_texts: Sequence[str]
-    sizes: list[int]
-    itemsizes: list[int]
-    middles: list[str]
+    text: bytes
+    sizes: np.ndarray
+    itemsizes: np.ndarray
 
 
-def _columns(tensors: Sequence[ShardDesc], keys: list[str],
+def header_entries(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
+                   key_texts: Sequence[str] | None = None) -> HeaderEntries:
+    """The `HeaderEntries` of the file ``path`` holding ``tensors`` (``keys``; ``key_texts``,
+    each key as ``json.dumps`` writes it, not ASCII-escaped, where the caller has them):
+    keys once each, none reserved, dtypes safetensors has."""
+    kinds = shard_kinds(tensors)
+    _check_specs(path, tensors, keys, kinds[1])
+    entries = _entries(tensors, keys, key_texts, kinds=kinds)
+    total = sum(entries.sizes.tolist())  # exact: the int64 offsets wrap past MAX_BYTES
+    if total > MAX_BYTES:
+        raise StorageError(f"{path}: its tensors hold {total} bytes, more than a file can "
+                           f"({MAX_BYTES})")
+    return entries
+
+
+def _entries(tensors: Sequence[ShardDesc], keys: list[str],
              key_texts: Sequence[str] | None = None, *,
-             kinds: tuple[list[int], dict[int, tuple[str | None, tuple[int, ...]]]]
-             ) -> _Columns:
-    """`_Columns` of ``tensors`` (``keys``, and their JSON text where the caller has it),
-    all that depends only on dtype and shape worked out once per `shard_kinds` kind
-    (``kinds``): a file of 30k shards of a few dozen shapes in milliseconds."""
+             kinds: tuple[list[int], dict[int, tuple[str | None, tuple[int, ...]]]] | None = None
+             ) -> HeaderEntries:
+    """`header_entries`, unchecked. The text is what ``json.dumps`` makes of the entries
+    (compact separators), put together column by column in one join, all that depends only
+    on dtype and shape worked out once per `shard_kinds` kind (``kinds``, where the caller
+    has them): a file of 30k shards of a few dozen shapes in milliseconds."""
+    import numpy as np
+
     if key_texts is None:
         key_texts = list(map(json.encoder.encode_basestring, keys))  # type: ignore[attr-defined]
-    numbers, kinds_by_number = kinds
-    sizes, itemsizes, middles = {}, {}, {}
+    numbers, kinds_by_number = shard_kinds(tensors) if kinds is None else kinds
+    count = len(numbers)
+    kind_sizes = np.zeros(max(kinds_by_number, default=-1) + 1, np.int64)
+    kind_itemsizes = np.zeros_like(kind_sizes)
+    middles = {}
     for number, (dtype, shape) in kinds_by_number.items():
-        itemsizes[number] = ITEMSIZES[dtype]  # type: ignore[index]
-        sizes[number] = math.prod(shape) * itemsizes[number]
+        kind_itemsizes[number] = ITEMSIZES[dtype]  # type: ignore[index]
+        kind_sizes[number] = math.prod(shape) * ITEMSIZES[dtype]  # type: ignore[index]
         middles[number] = (f':{{"dtype":"{SAFETENSORS_NAMES[dtype]}",'  # type: ignore[index]
                            f'"shape":[{",".join(map(str, shape))}],"data_offsets":[')
-    return _Columns(keys, key_texts, list(map(sizes.__getitem__, numbers)),
-                    list(map(itemsizes.__getitem__, numbers)),
-                    list(map(middles.__getitem__, numbers)))
-
-
-def _header(columns: _Columns, metadata: dict[str, str] | None,
-            metadata_json: str | None = None) -> bytes:
-    """`header_bytes` of tensors given as columns. The text is what ``json.dumps`` makes of
-    the header object (compact separators, not ASCII-escaped), put together column by
-    column in one join: many times faster than building the object and dumping it.
-    ``metadata_json``: the metadata as that text, where the caller made it."""
-    offsets = list(map(str, itertools.accumulate(columns.sizes, initial=0)))
-    count = len(offsets) - 1
+    kind_of = np.fromiter(numbers, np.int64, count)
+    sizes = kind_sizes[kind_of]
+    if not count:
+        return HeaderEntries(b"", sizes, sizes)
+    ends = list(map(str, np.cumsum(sizes).tolist()))
     parts = [","] * (6 * count)  # key, middle, begin "," end "]},", entry after entry
-    parts[0::6] = columns.key_texts
-    parts[1::6] = columns.middles
-    parts[2::6] = offsets[:-1]
-    parts[4::6] = offsets[1:]
-    parts[5::6] = ["]},"] * count
-    entries = "".join(parts)[:-1]
-    if metadata and metadata_json is None:
-        metadata_json = json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)
-    metadata_text = f'"{_METADATA_KEY}":{metadata_json}' if metadata else ""
-    text = ("{" + ",".join(part for part in (metadata_text, entries) if part) + "}"
-            ).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+    parts[0::6] = key_texts
+    parts[1::6] = map(middles.__getitem__, numbers)
+    parts[2::6] = ["0", *ends[:-1]]  # each entry begins where the one before ends
+    parts[4::6] = ends
+    parts[5::6] = itertools.repeat("]},", count)
+    parts[-1] = "]}"
+    return HeaderEntries("".join(parts).encode("utf-8"), sizes, kind_itemsizes[kind_of])
+
+
+def _metadata_text(metadata: dict[str, str] | None) -> str | None:
+    """The metadata as ``json.dumps`` writes it (compact, not ASCII-escaped); None: none."""
+    if not metadata:
+        return None
+    return json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)
+
+
+def _header(entries: HeaderEntries, metadata_json: str | None) -> bytes:
+    """`header_bytes` of the `HeaderEntries` ``entries`` and the metadata as JSON text
+    (None: no metadata): what ``json.dumps`` makes of the header object, in one join."""
+    head = b"{"
+    if metadata_json is not None:
+        head = f'{{"{_METADATA_KEY}":{metadata_json}'.encode()
+        if entries.text:
+            head += b","
+    length = len(head) + len(entries.text) + 1
+    padding = b" " * (-length % 8)
+    return b"".join((struct.pack("<Q", length + len(padding)), head, entries.text, b"}",
+                     padding))
 
 
 def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path,
                 metadata: dict[str, str] | None = None, *, keys: list[str] | None = None,
-                key_texts: Sequence[str] | None = None, metadata_json: str | None = None
-                ) -> FileLayout:
+                key_texts: Sequence[str] | None = None, metadata_json: str | None = None,
+                entries: HeaderEntries | None = None) -> FileLayout:
     """A destination's safetensors file: the header, then ``tensors`` (destination shards
     ``indices``) back to back, in this order, each under its key. Where the caller has
     them: ``keys``; ``key_texts``, each key as JSON text (``json.dumps`` of it, not
-    ASCII-escaped); ``metadata_json``, the metadata as that text."""
+    ASCII-escaped); ``metadata_json``, the metadata as that text (then ``metadata`` is not
+    read); ``entries``, the tensors' `HeaderEntries` (made for a file holding the same
+    keys, dtypes and shapes in the same order)."""
+    import numpy as np
+
     if keys is None:
         keys = list(map(_KEY, tensors))
-    kinds = shard_kinds(tensors)
-    _check_specs(path, tensors, keys, metadata, kinds[1])
-    columns = _columns(tensors, keys, key_texts, kinds=kinds)
-    header = _header(columns, metadata, metadata_json)
-    offsets = list(itertools.accumulate(columns.sizes, initial=len(header)))
-    size = offsets.pop()
-    return FileLayout(size, [(0, header)],
-                      ShardSpans(indices, offsets, columns.sizes, columns.itemsizes))
+    if entries is None:
+        entries = header_entries(path, tensors, keys, key_texts)
+    if metadata_json is None:
+        _check_metadata(path, metadata)
+        metadata_json = _metadata_text(metadata)
+    header = _header(entries, metadata_json)
+    ends = np.cumsum(entries.sizes) + len(header)
+    return FileLayout(int(ends[-1]) if len(ends) else len(header), [(0, header)],
+                      ShardSpans(np.fromiter(indices, np.int64, len(indices)),
+                                 ends - entries.sizes, entries.sizes, entries.itemsizes))
 
 
 _KEY = operator.attrgetter("key")
-_DTYPE = operator.attrgetter("dtype")
 
 
 def _check_specs(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
-                 metadata: dict[str, str] | None,
-                 kinds: dict[int, tuple[str | None, tuple[int, ...]]] | None = None) -> None:
+                 kinds: dict[int, tuple[str | None, tuple[int, ...]]]) -> None:
     """Keys once each, none reserved, dtypes safetensors has (``kinds``: the tensors'
-    `shard_kinds`, where the caller has them), metadata of strings."""
+    `shard_kinds`)."""
     unique = set(keys)
-    dtypes = (set(map(_DTYPE, tensors)) if kinds is None
-              else {dtype for dtype, _ in kinds.values()})
     if (len(unique) < len(keys) or _METADATA_KEY in unique
-            or not SAFETENSORS_NAMES.keys() >= dtypes):
+            or not SAFETENSORS_NAMES.keys() >= {dtype for dtype, _ in kinds.values()}):
         _check_each_spec(path, tensors)
+
+
+def _check_metadata(path: Path, metadata: dict[str, str] | None) -> None:
+    """Metadata of strings."""
     if metadata is not None and not all(
         isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
     ):
@@ -630,13 +663,12 @@ class SafetensorsWriter:
         self.path = Path(path)
         self.partial = partial_path(self.path)
         keys = list(map(_KEY, tensors))
-        kinds = shard_kinds(tensors)
-        _check_specs(self.path, tensors, keys, metadata, kinds[1])
-        columns = _columns(tensors, keys, kinds=kinds)
-        header = _header(columns, metadata)
+        entries = header_entries(self.path, tensors, keys)
+        _check_metadata(self.path, metadata)
+        header = _header(entries, _metadata_text(metadata))
         self._ranges: dict[str, tuple[int, int]] = {}
         offset = len(header)
-        for key, nbytes in zip(columns.keys, columns.sizes):
+        for key, nbytes in zip(keys, entries.sizes.tolist()):
             self._ranges[key] = (offset, offset + nbytes)
             offset += nbytes
         self._committed = False
