@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "bus_guard.hpp"
+#include "small_vector.hpp"
 #include "thread_pool.hpp"
 #include "transpose_blocks.hpp"
 
@@ -141,6 +142,12 @@ struct BlockScales {
 
 struct PreparedCopy;
 
+// Axes and cast steps a copy holds without a heap allocation (tables have few of either).
+constexpr size_t kInlineAxes = 4;
+constexpr size_t kInlineSteps = 2;
+using DtypeChain = SmallVector<Dtype, kInlineSteps + 2>;
+using CastSteps = SmallVector<CastStep, kInlineSteps>;
+
 // Columns [column0, column0 + width) of rows [row0, row_end) of a copy's last two axes.
 using TileFn = void (*)(const PreparedCopy& copy, const uint8_t* source, uint8_t* destination,
                         int64_t row0, int64_t row_end, int64_t column0, int64_t width);
@@ -152,8 +159,9 @@ struct PreparedCopy {
   uint8_t* destination;
   int64_t source_itemsize;
   int64_t destination_itemsize;
-  std::vector<Axis> axes;       // outermost first; empty for a single element
-  std::vector<CastStep> steps;  // one row per rounding step; one plain copy when none
+  SmallVector<Axis, kInlineAxes> axes;       // outermost first; empty for a single element
+  SmallVector<CastStep, kInlineSteps> steps;  // one row per rounding step; one plain copy
+                                              // when none
   bool tiled;                   // the last two axes are walked in tiles
   TileFn tile;                  // how a tile is walked, when `tiled`
   int64_t tile_rows;            // the tile's shape, when `tiled`
@@ -208,8 +216,8 @@ bool region_fits(int64_t offset, const int64_t* shape, const int64_t* strides, i
 
 // The value casts of the chain source -> via... -> destination, as rows (none when the
 // bytes stay as they are); refuses an unsupported step.
-std::vector<CastStep> cast_steps(size_t copy, const std::vector<Dtype>& chain) {
-  std::vector<CastStep> steps;
+CastSteps cast_steps(size_t copy, const DtypeChain& chain) {
+  CastSteps steps;
   for (size_t k = 1; k < chain.size(); ++k) {
     const Dtype from = chain[k - 1], to = chain[k];
     if (is_bytes_cast(from, to)) continue;  // the bytes already are the value of `to`
@@ -227,9 +235,10 @@ std::vector<CastStep> cast_steps(size_t copy, const std::vector<Dtype>& chain) {
 // (In place, with no allocation: a plan of many small tensors has hundreds of thousands of
 // copies, and a heap allocation per step of this cost as much as copying their bytes.)
 void simplify(PreparedCopy& copy) {
-  std::vector<Axis>& axes = copy.axes;
-  axes.erase(std::remove_if(axes.begin(), axes.end(), [](const Axis& a) { return a.extent == 1; }),
-             axes.end());
+  SmallVector<Axis, kInlineAxes>& axes = copy.axes;
+  axes.shrink_to(static_cast<size_t>(
+      std::remove_if(axes.begin(), axes.end(), [](const Axis& a) { return a.extent == 1; }) -
+      axes.begin()));
   // A stable insertion sort: a copy has a few axes (std::stable_sort allocates a buffer).
   for (size_t i = 1; i < axes.size(); ++i)
     for (size_t j = i; j > 0 && std::llabs(axes[j - 1].destination_stride) <
@@ -248,7 +257,7 @@ void simplify(PreparedCopy& copy) {
     }
     axes[kept++] = axis;
   }
-  axes.resize(kept);
+  axes.shrink_to(kept);
 
   copy.tiled = false;
   if (axes.size() < 2) return;
@@ -417,7 +426,7 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
   const Dtype first_dtype = dtype_from_code(index, head[4]);
   const Dtype destination_dtype = dtype_from_code(index, head[5]);
   const int64_t* via = reader.take(index, head[6]);
-  std::vector<Dtype> chain;  // one allocation per copy, not one per step
+  DtypeChain chain;
   chain.reserve(static_cast<size_t>(head[6]) + 2);
   chain.push_back(first_dtype);
   for (int64_t k = 0; k < head[6]; ++k) chain.push_back(dtype_from_code(index, via[k]));
@@ -707,7 +716,7 @@ const uint8_t* scale_of(const ScaleAxis& a, const uint8_t* scale, int64_t index)
 
 void walk_scaled(const PreparedCopy& copy, size_t axis, const uint8_t* source,
                  uint8_t* destination, const uint8_t* scale, int64_t begin, int64_t end) {
-  const std::vector<Axis>& axes = copy.axes;
+  const SmallVector<Axis, kInlineAxes>& axes = copy.axes;
   const std::vector<ScaleAxis>& scales = copy.scales.axes;
   const Axis& a = axes[axis];
   if (axis + 1 == axes.size()) {  // a single axis: runs of one block
@@ -839,6 +848,23 @@ void run_all(const std::vector<PreparedCopy>& copies, int64_t threads) {
   if (faulted.load()) throw BusError(fault_address.load());
 }
 
+// How many records the table holds, by their lengths alone, so the prepared copies are
+// allocated once (growing by doubling faulted in twice the fresh pages, ~15% of a table
+// of small copies); where a length is not sensible it stops: `read_copy` refuses there.
+size_t count_records(const int64_t* table, int64_t length) {
+  size_t count = 0;
+  for (int64_t at = 0; at < length; ++count) {
+    if (length - at < 9) return count + 1;
+    const int64_t via = table[at + 6];
+    if (via < 0 || via > length - at - 9) return count + 1;
+    const int64_t ndim = table[at + 7 + via];
+    if (ndim < 0 || ndim > (length - at - 9 - via) / 3) return count + 1;
+    at += 9 + via + 3 * ndim;
+    if (table[at - 1] == 1) at += 3 + 3 * ndim;  // has_scale: the scale's fields
+  }
+  return count;
+}
+
 }  // namespace
 
 void execute_copies(const int64_t* table, int64_t table_length,
@@ -846,6 +872,7 @@ void execute_copies(const int64_t* table, int64_t table_length,
                     const std::vector<DestinationBuffer>& destinations, int64_t threads) {
   if (threads < 1) throw CopyError("threads must be at least 1, not " + std::to_string(threads));
   std::vector<PreparedCopy> copies;
+  copies.reserve(count_records(table, table_length));
   TableReader reader(table, table_length);
   while (!reader.done()) copies.push_back(read_copy(copies.size(), reader, sources, destinations));
   run_all(copies, threads);
