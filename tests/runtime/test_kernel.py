@@ -272,6 +272,16 @@ def test_a_long_cast_chain_runs_in_blocks():
     run_both([copy], [random_bytes(3, 20000)], [bytes(40000)])
 
 
+def test_copies_beyond_the_inline_axes_and_steps_match_the_reference():
+    # more axes (6, none mergeable) and cast steps (4) than a copy holds inline
+    shape = (2, 3, 2, 3, 2, 3)
+    source_strides = tuple(4 * s for s in (1, 2, 6, 12, 36, 72))
+    destination_strides = (3888, 1296, 432, 144, 48, 16)
+    copy = Copy(0, 0, source_strides, 0, 0, destination_strides, shape, "float32", "float64",
+                ("bfloat16", "float16", "float32"))
+    run_both([copy], [random_bytes(5, 4 * 216)], [bytes(8 * 2 * 3888)])
+
+
 def test_a_contiguous_tensor_is_copied_whole():
     data = random_bytes(4, 3 * 5 * 7 * 2)
     copy = Copy(0, 0, (70, 14, 2), 0, 0, (70, 14, 2), (3, 5, 7), "bfloat16", "bfloat16")
