@@ -411,9 +411,10 @@ void prepare_scales(size_t index, PreparedCopy& copy, const ScaleFields& scale,
   copy.tiled = false;
 }
 
-// Reads and checks one record; an empty region gives a copy with no bytes.
-PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<SourceBuffer>& sources,
-                      const std::vector<DestinationBuffer>& destinations) {
+// Reads and checks one record into `copy` (value-initialized, made in place: moving a
+// prepared copy costs about as much as checking it); an empty region copies no bytes.
+void read_copy(size_t index, TableReader& reader, const std::vector<SourceBuffer>& sources,
+               const std::vector<DestinationBuffer>& destinations, PreparedCopy& copy) {
   const int64_t* head = reader.take(index, 7);
   const int64_t source = head[0], source_offset = head[1];
   const int64_t destination = head[2], destination_offset = head[3];
@@ -439,7 +440,6 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
   const int64_t* destination_strides = reader.take(index, ndim);
   const ScaleFields scale = read_scale(index, reader, ndim, sources.size(), chain.front());
 
-  PreparedCopy copy{};
   const Dtype source_dtype = chain.front();
   copy.source_itemsize = itemsize(source_dtype);
   copy.destination_itemsize = itemsize(chain.back());
@@ -450,7 +450,7 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
     copy.steps.push_back({copy_row_for(itemsize(chain.front())), itemsize(chain.front())});
   for (int64_t k = 0; k < ndim; ++k)
     if (shape[k] < 0) refuse(index, "negative extent in shape " + tuple_text(shape, ndim));
-  if (std::find(shape, shape + ndim, 0) != shape + ndim) return copy;  // copies nothing
+  if (std::find(shape, shape + ndim, 0) != shape + ndim) return;  // copies nothing
   // Bytes read plus written must count in int64.
   int64_t bytes = copy.source_itemsize + copy.destination_itemsize;
   for (int64_t k = 0; k < ndim; ++k)
@@ -477,7 +477,7 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
   if (scale.present) {
     prepare_scales(index, copy, scale, shape, source_strides, destination_strides, ndim,
                    sources[static_cast<size_t>(scale.source)], source_dtype);
-    return copy;
+    return;
   }
   copy.axes.reserve(static_cast<size_t>(ndim));
   for (int64_t k = 0; k < ndim; ++k)
@@ -488,7 +488,6 @@ PreparedCopy read_copy(size_t index, TableReader& reader, const std::vector<Sour
       copy.axes.back().source_stride == copy.source_itemsize &&
       copy.axes.back().destination_stride == copy.destination_itemsize)
     copy.row_bytes = copy.axes.back().extent * copy.source_itemsize;
-  return copy;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -874,7 +873,10 @@ void execute_copies(const int64_t* table, int64_t table_length,
   std::vector<PreparedCopy> copies;
   copies.reserve(count_records(table, table_length));
   TableReader reader(table, table_length);
-  while (!reader.done()) copies.push_back(read_copy(copies.size(), reader, sources, destinations));
+  while (!reader.done()) {
+    const size_t index = copies.size();
+    read_copy(index, reader, sources, destinations, copies.emplace_back());
+  }
   run_all(copies, threads);
 }
 
