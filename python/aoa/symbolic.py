@@ -125,6 +125,17 @@ def split(piece_map: PieceMap, axis: int, parts: int) -> list[PieceMap]:
     for p in piece_map.pieces:
         target_lo, target_hi, order = p.target_lo, p.target_hi, p.order
         t_lo, t_hi = target_lo[axis], target_hi[axis]
+        if t_lo < t_hi and size:
+            first = t_lo // size
+            if first == (t_hi - 1) // size < parts:
+                # the whole piece in one part (a split along the cuts of a concat): its
+                # source boxes as they are, its target boxes moved to the part's start
+                start = first * size
+                per_part[first].append(p if not start else _new_tuple(Piece, (
+                    p.slot, p.source_lo, p.source_hi,
+                    target_lo[:axis] + (t_lo - start,) + target_lo[after:],
+                    target_hi[:axis] + (t_hi - start,) + target_hi[after:], p.ops, order)))
+                continue
         if order is None:
             whole_lo, whole_hi = p.source_lo, p.source_hi
         else:

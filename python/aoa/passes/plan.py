@@ -427,7 +427,12 @@ class Planner:
                 self._raw_entries(target, tensor, None)
             hi = tuple(map(add, lo, target.local_shape))
             entries = symbolic.intersect(piece_map, lo, hi)
-            if len(entries) != 1 or entries[0].target_lo != lo or entries[0].target_hi != hi:
+            # the pieces of a piece map never overlap (each operation cuts, moves or lays
+            # side by side boxes that do not), nor do their parts in one box: only a gap is
+            # left to look for, which the elements written tell
+            if (len(entries) != 1 or entries[0].target_lo != lo or entries[0].target_hi != hi
+                    ) and sum([prod(map(sub, e.target_hi, e.target_lo)) for e in entries]
+                              ) != prod(target.local_shape):
                 self._check_coverage(target, tensor, [(e.target_lo, e.target_hi,
                                                        read_keys[e.slot]) for e in entries])
             answers.append(entries)
