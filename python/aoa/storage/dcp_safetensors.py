@@ -114,14 +114,13 @@ class DcpSafetensorsDestination(Destination):
         return dict(zip(texts, escaped.split("\n")))
 
 
-def sharding_info(shards: Sequence[ShardDesc], key_texts: Sequence[str] | None = None) -> str:
+def sharding_info(shards: Sequence[ShardDesc]) -> str:
     """``DCP_SHARDING_INFO`` of a file holding ``shards`` (each key once): the text
     ``json.dumps`` makes of ``{key: {"saved_offsets": global offset}}``, as DCP writes it,
-    put together column by column (a rank of 30k shards in milliseconds). ``key_texts``:
-    each key as ``json.dumps`` writes it (ASCII-escaped), where the caller has them."""
-    if key_texts is None:
-        key_texts = list(map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
-                             map(_KEY, shards)))
+    put together column by column (the layouts put the same pieces inside the metadata's
+    JSON string, `DcpSafetensorsDestination._metadata_json`)."""
+    key_texts = list(map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
+                         map(_KEY, shards)))
     return "".join(("{", *_sharding_parts(shards, key_texts, '"'), "}"))
 
 

@@ -588,20 +588,19 @@ def _header(entries: HeaderEntries, metadata_json: str | None) -> bytes:
 
 def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path,
                 metadata: dict[str, str] | None = None, *, keys: list[str] | None = None,
-                key_texts: Sequence[str] | None = None, metadata_json: str | None = None,
-                entries: HeaderEntries | None = None) -> FileLayout:
+                metadata_json: str | None = None, entries: HeaderEntries | None = None
+                ) -> FileLayout:
     """A destination's safetensors file: the header, then ``tensors`` (destination shards
     ``indices``) back to back, in this order, each under its key. Where the caller has
-    them: ``keys``; ``key_texts``, each key as JSON text (``json.dumps`` of it, not
-    ASCII-escaped); ``metadata_json``, the metadata as that text (then ``metadata`` is not
-    read); ``entries``, the tensors' `HeaderEntries` (made for a file holding the same
-    keys, dtypes and shapes in the same order)."""
+    them: ``keys``; ``metadata_json``, the metadata as JSON text (then ``metadata`` is not
+    read); ``entries``, the tensors' `HeaderEntries` (`header_entries`, perhaps made for a
+    file holding the same keys, dtypes and shapes in the same order)."""
     import numpy as np
 
     if keys is None:
         keys = list(map(_KEY, tensors))
     if entries is None:
-        entries = header_entries(path, tensors, keys, key_texts)
+        entries = header_entries(path, tensors, keys)
     if metadata_json is None:
         _check_metadata(path, metadata)
         metadata_json = _metadata_text(metadata)
