@@ -244,6 +244,20 @@ def test_large_transposes_match_the_reference(dtype, destination_offset):
              threads=1 + destination_offset % 3)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("destination_offset", [0, 40])
+def test_mid_sized_transposes_match_the_reference(dtype, destination_offset):
+    # 1-16 MiB of destination (a piece of a staging buffer), rows 4 KiB apart: streamed
+    # stores too, in tiles taller than the copy (fewer rows than a streamed tile's 1024).
+    item = itemsize(dtype)
+    rows, columns = 517, 4096 // item - 5
+    copy = Copy(0, 0, (item, rows * item), 0, destination_offset, (4096, item),
+                (rows, columns), dtype, dtype)
+    run_both([copy], [random_bytes(13, rows * columns * item)],
+             [random_bytes(14, destination_offset + rows * 4096)],
+             threads=1 + destination_offset % 3)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_large_batched_transposes_match_the_reference(dtype):
     item = itemsize(dtype)
