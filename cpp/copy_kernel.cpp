@@ -279,6 +279,9 @@ class TableReader {
  public:
   TableReader(const int64_t* table, int64_t length) : table_(table), length_(length) {}
   bool done() const { return position_ == length_; }
+  // The rest of the table from the next field, and how many fields that is.
+  const int64_t* rest() const { return table_ + position_; }
+  int64_t left() const { return length_ - position_; }
   // The next `count` fields of `copy`'s record.
   const int64_t* take(size_t copy, int64_t count) {
     if (count < 0 || count > length_ - position_)
@@ -489,6 +492,73 @@ void read_copy(size_t index, TableReader& reader, const std::vector<SourceBuffer
       copy.axes.back().destination_stride == copy.destination_itemsize)
     copy.row_bytes = copy.axes.back().extent * copy.source_itemsize;
 }
+
+// Records that differ from one read before only in their buffers and offsets (the first
+// four fields; the tensors of a large MoE: 188k copies of a few shapes, alternating) are
+// prepared from that one's checked and simplified form: each record's buffer numbers and
+// both regions are still checked against its own buffers, as `read_copy` checks them.
+class PreparedShapes {
+ public:
+  // Whether the record at the reader's position repeats a kept one: then `copy` is made
+  // from it (checked, in the order `read_copy` checks) and the reader moves past it.
+  bool read(size_t index, TableReader& reader, const std::vector<SourceBuffer>& sources,
+            const std::vector<DestinationBuffer>& destinations,
+            std::vector<PreparedCopy>& copies) {
+    const int64_t* fields = reader.rest();
+    for (const Kept& kept : kept_) {
+      if (kept.fields == nullptr || kept.length > reader.left() ||
+          std::memcmp(fields + 4, kept.fields + 4,
+                      static_cast<size_t>(kept.length - 4) * sizeof(int64_t)) != 0)
+        continue;
+      const int64_t source = fields[0], source_offset = fields[1];
+      const int64_t destination = fields[2], destination_offset = fields[3];
+      if (source < 0 || source >= static_cast<int64_t>(sources.size()) || destination < 0 ||
+          destination >= static_cast<int64_t>(destinations.size()))
+        return false;  // `read_copy` refuses it, with its message
+      const SourceBuffer& from = sources[static_cast<size_t>(source)];
+      const DestinationBuffer& to = destinations[static_cast<size_t>(destination)];
+      const PreparedCopy& alike = copies[kept.copy];
+      if (!region_fits(source_offset, kept.shape, kept.source_strides, kept.ndim,
+                       alike.source_itemsize, from.size) ||
+          !region_fits(destination_offset, kept.shape, kept.destination_strides, kept.ndim,
+                       alike.destination_itemsize, to.size))
+        return false;
+      if (copies.size() == copies.capacity()) copies.reserve(2 * copies.size());  // so that
+      PreparedCopy& copy = copies.emplace_back(copies[kept.copy]);  // this stays valid
+      copy.source = from.data + source_offset;
+      copy.destination = to.data + destination_offset;
+      reader.take(index, kept.length);
+      return true;
+    }
+    return false;
+  }
+
+  // Keeps the record `read_copy` just read into `copies[index]` (from `fields`, `length`
+  // fields), where its form does not depend on its buffers: no scales, and no transpose
+  // large enough to stream (whose tiles start where its destination is aligned).
+  void keep(size_t index, const int64_t* fields, int64_t length,
+            const std::vector<PreparedCopy>& copies) {
+    const PreparedCopy& copy = copies[index];
+    if (copy.bytes == 0 || copy.scales.data != nullptr || copy.bytes / 2 >= kStreamBytes) return;
+    const int64_t via = fields[6], ndim = fields[7 + via];
+    const int64_t* shape = fields + 8 + via;
+    kept_[next_] = {fields, length, index, ndim, shape, shape + ndim, shape + 2 * ndim};
+    next_ = (next_ + 1) % kept_.size();
+  }
+
+ private:
+  struct Kept {
+    const int64_t* fields = nullptr;  // the record, in the table
+    int64_t length = 0;
+    size_t copy = 0;  // its prepared copy
+    int64_t ndim = 0;
+    const int64_t* shape = nullptr;
+    const int64_t* source_strides = nullptr;
+    const int64_t* destination_strides = nullptr;
+  };
+  std::array<Kept, 4> kept_{};
+  size_t next_ = 0;
+};
 
 // ---------------------------------------------------------------------------------------
 // Walking a copy.
@@ -873,9 +943,14 @@ void execute_copies(const int64_t* table, int64_t table_length,
   std::vector<PreparedCopy> copies;
   copies.reserve(count_records(table, table_length));
   TableReader reader(table, table_length);
+  PreparedShapes shapes;
   while (!reader.done()) {
     const size_t index = copies.size();
+    if (shapes.read(index, reader, sources, destinations, copies)) continue;
+    const int64_t* fields = reader.rest();
+    const int64_t before = reader.left();
     read_copy(index, reader, sources, destinations, copies.emplace_back());
+    shapes.keep(index, fields, before - reader.left(), copies);
   }
   run_all(copies, threads);
 }
