@@ -517,11 +517,8 @@ class PreparedShapes {
         return false;  // `read_copy` refuses it, with its message
       const SourceBuffer& from = sources[static_cast<size_t>(source)];
       const DestinationBuffer& to = destinations[static_cast<size_t>(destination)];
-      const PreparedCopy& alike = copies[kept.copy];
-      if (!region_fits(source_offset, kept.shape, kept.source_strides, kept.ndim,
-                       alike.source_itemsize, from.size) ||
-          !region_fits(destination_offset, kept.shape, kept.destination_strides, kept.ndim,
-                       alike.destination_itemsize, to.size))
+      if (!kept.source.fits(source_offset, from.size) ||
+          !kept.destination.fits(destination_offset, to.size))
         return false;
       if (copies.size() == copies.capacity()) copies.reserve(2 * copies.size());  // so that
       PreparedCopy& copy = copies.emplace_back(copies[kept.copy]);  // this stays valid
@@ -542,19 +539,48 @@ class PreparedShapes {
     if (copy.bytes == 0 || copy.scales.data != nullptr || copy.bytes / 2 >= kStreamBytes) return;
     const int64_t via = fields[6], ndim = fields[7 + via];
     const int64_t* shape = fields + 8 + via;
-    kept_[next_] = {fields, length, index, ndim, shape, shape + ndim, shape + 2 * ndim};
+    Kept kept{fields, length, index, {}, {}};
+    if (!kept.source.measure(shape, shape + ndim, ndim, copy.source_itemsize) ||
+        !kept.destination.measure(shape, shape + 2 * ndim, ndim, copy.destination_itemsize))
+      return;
+    kept_[next_] = kept;
     next_ = (next_ + 1) % kept_.size();
   }
 
  private:
+  // Where a region of the kept shape reaches from its offset: its lowest and highest
+  // element's first byte. A region at `offset` then fits in `size` bytes exactly where
+  // `region_fits` says it does: offset + low >= 0 and offset + high <= size - itemsize,
+  // neither sum overflowing (for a region that fits, no partial sum `region_fits` makes
+  // overflows either: from the offset, low only falls and high only rises).
+  struct Reach {
+    int64_t low = 0;
+    int64_t high = 0;
+    int64_t itemsize = 0;
+    bool measure(const int64_t* shape, const int64_t* strides, int64_t ndim, int64_t item) {
+      itemsize = item;
+      for (int64_t k = 0; k < ndim; ++k) {
+        int64_t span;
+        if (__builtin_mul_overflow(shape[k] - 1, strides[k], &span)) return false;
+        if (__builtin_add_overflow(span < 0 ? low : high, span, span < 0 ? &low : &high))
+          return false;
+      }
+      return true;
+    }
+    bool fits(int64_t offset, int64_t size) const {
+      int64_t first, last;
+      if (__builtin_add_overflow(offset, low, &first) ||
+          __builtin_add_overflow(offset, high, &last))
+        return false;
+      return first >= 0 && last <= size - itemsize;
+    }
+  };
   struct Kept {
     const int64_t* fields = nullptr;  // the record, in the table
     int64_t length = 0;
     size_t copy = 0;  // its prepared copy
-    int64_t ndim = 0;
-    const int64_t* shape = nullptr;
-    const int64_t* source_strides = nullptr;
-    const int64_t* destination_strides = nullptr;
+    Reach source;
+    Reach destination;
   };
   std::array<Kept, 4> kept_{};
   size_t next_ = 0;

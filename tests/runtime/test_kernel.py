@@ -418,6 +418,10 @@ def test_copies_repeating_a_shape_match_the_reference(call, data, threads):
      "destination 0 of 8 bytes"),
     (Copy(0, 0, (4,), 0, 2**62, (4,), (2,), "float32", "float32"),
      "copy 1: destination region (offset 4611686018427387904"),
+    (Copy(0, 2**63 - 1, (4,), 0, 0, (4,), (2,), "float32", "float32"),
+     "copy 1: source region (offset 9223372036854775807"),
+    (Copy(0, -(2**63), (4,), 0, 0, (4,), (2,), "float32", "float32"),
+     "copy 1: source region (offset -9223372036854775808"),
 ])
 def test_a_repeated_shape_out_of_bounds_is_refused_naming_the_copy(repeat, message):
     good = Copy(0, 0, (4,), 0, 0, (4,), (2,), "float32", "float32")
