@@ -283,6 +283,9 @@ class TableReader {
  public:
   TableReader(const int64_t* table, int64_t length) : table_(table), length_(length) {}
   bool done() const { return position_ == length_; }
+  // The rest of the table from the next field, and how many fields that is.
+  const int64_t* rest() const { return table_ + position_; }
+  int64_t left() const { return length_ - position_; }
   // The next `count` fields of `copy`'s record.
   const int64_t* take(size_t copy, int64_t count) {
     if (count < 0 || count > length_ - position_)
@@ -493,6 +496,104 @@ void read_copy(size_t index, TableReader& reader, const std::vector<SourceBuffer
       copy.axes.back().destination_stride == copy.destination_itemsize)
     copy.row_bytes = copy.axes.back().extent * copy.source_itemsize;
 }
+
+// A record to run: its prepared form (`forms[form]`: axes, steps, tiles, shared by the
+// records that repeat it) at its own buffers.
+struct CopyAt {
+  size_t form;
+  const uint8_t* source;  // at the offset
+  uint8_t* destination;
+};
+
+// Records that differ from one read before only in their buffers and offsets (the first
+// four fields; the tensors of a large MoE: 188k copies of a few shapes, alternating) run
+// in that one's checked and simplified form: each record's buffer numbers and both regions
+// are still checked against its own buffers, as `read_copy` checks them.
+class PreparedShapes {
+ public:
+  // Whether the record at the reader's position repeats a kept one: then it is added to
+  // `copies` in that one's form (checked, in the order `read_copy` checks) and the reader
+  // moves past it.
+  bool read(TableReader& reader, const std::vector<SourceBuffer>& sources,
+            const std::vector<DestinationBuffer>& destinations, std::vector<CopyAt>& copies) {
+    const int64_t* fields = reader.rest();
+    for (const Kept& kept : kept_) {
+      if (kept.fields == nullptr || kept.length > reader.left() ||
+          std::memcmp(fields + 4, kept.fields + 4,
+                      static_cast<size_t>(kept.length - 4) * sizeof(int64_t)) != 0)
+        continue;
+      const int64_t source = fields[0], source_offset = fields[1];
+      const int64_t destination = fields[2], destination_offset = fields[3];
+      if (source < 0 || source >= static_cast<int64_t>(sources.size()) || destination < 0 ||
+          destination >= static_cast<int64_t>(destinations.size()))
+        return false;  // `read_copy` refuses it, with its message
+      const SourceBuffer& from = sources[static_cast<size_t>(source)];
+      const DestinationBuffer& to = destinations[static_cast<size_t>(destination)];
+      if (!kept.source.fits(source_offset, from.size) ||
+          !kept.destination.fits(destination_offset, to.size))
+        return false;
+      copies.push_back({kept.form, from.data + source_offset, to.data + destination_offset});
+      reader.take(copies.size() - 1, kept.length);
+      return true;
+    }
+    return false;
+  }
+
+  // Keeps the record `read_copy` just read into `forms[form]` (from `fields`, `length`
+  // fields), where its form does not depend on its buffers: no scales, and no transpose
+  // large enough to stream (whose tiles start where its destination is aligned).
+  void keep(size_t form, const int64_t* fields, int64_t length,
+            const std::vector<PreparedCopy>& forms) {
+    const PreparedCopy& copy = forms[form];
+    if (copy.bytes == 0 || copy.scales.data != nullptr || copy.bytes / 2 >= kStreamBytes) return;
+    const int64_t via = fields[6], ndim = fields[7 + via];
+    const int64_t* shape = fields + 8 + via;
+    Kept kept{fields, length, form, {}, {}};
+    if (!kept.source.measure(shape, shape + ndim, ndim, copy.source_itemsize) ||
+        !kept.destination.measure(shape, shape + 2 * ndim, ndim, copy.destination_itemsize))
+      return;
+    kept_[next_] = kept;
+    next_ = (next_ + 1) % kept_.size();
+  }
+
+ private:
+  // Where a region of the kept shape reaches from its offset: its lowest and highest
+  // element's first byte. A region at `offset` then fits in `size` bytes exactly where
+  // `region_fits` says it does: offset + low >= 0 and offset + high <= size - itemsize,
+  // neither sum overflowing (for a region that fits, no partial sum `region_fits` makes
+  // overflows either: from the offset, low only falls and high only rises).
+  struct Reach {
+    int64_t low = 0;
+    int64_t high = 0;
+    int64_t itemsize = 0;
+    bool measure(const int64_t* shape, const int64_t* strides, int64_t ndim, int64_t item) {
+      itemsize = item;
+      for (int64_t k = 0; k < ndim; ++k) {
+        int64_t span;
+        if (__builtin_mul_overflow(shape[k] - 1, strides[k], &span)) return false;
+        if (__builtin_add_overflow(span < 0 ? low : high, span, span < 0 ? &low : &high))
+          return false;
+      }
+      return true;
+    }
+    bool fits(int64_t offset, int64_t size) const {
+      int64_t first, last;
+      if (__builtin_add_overflow(offset, low, &first) ||
+          __builtin_add_overflow(offset, high, &last))
+        return false;
+      return first >= 0 && last <= size - itemsize;
+    }
+  };
+  struct Kept {
+    const int64_t* fields = nullptr;  // the record, in the table
+    int64_t length = 0;
+    size_t form = 0;  // its prepared form
+    Reach source;
+    Reach destination;
+  };
+  std::array<Kept, 4> kept_{};
+  size_t next_ = 0;
+};
 
 // ---------------------------------------------------------------------------------------
 // Walking a copy.
@@ -762,9 +863,11 @@ void walk_scaled(const PreparedCopy& copy, size_t axis, const uint8_t* source,
 // ---------------------------------------------------------------------------------------
 // Splitting work over threads.
 
-// A copy, or the slice [begin, end) of its outermost axis.
+// A copy, or the slice [begin, end) of its outermost axis: its form at its buffers.
 struct Piece {
   const PreparedCopy* copy;
+  const uint8_t* source;
+  uint8_t* destination;
   int64_t begin;
   int64_t end;
 };
@@ -773,17 +876,17 @@ void run_piece(const Piece& piece) {
   const PreparedCopy& copy = *piece.copy;
   if (copy.scales.data != nullptr) {
     if (copy.axes.empty()) {
-      run_scaled_row(copy, copy.source, copy.source_itemsize, copy.destination,
+      run_scaled_row(copy, piece.source, copy.source_itemsize, piece.destination,
                      copy.destination_itemsize, 1, scale_at(copy, copy.scales.data));
     } else {
-      walk_scaled(copy, 0, copy.source, copy.destination, copy.scales.data, piece.begin,
+      walk_scaled(copy, 0, piece.source, piece.destination, copy.scales.data, piece.begin,
                   piece.end);
     }
   } else if (copy.axes.empty()) {
-    run_row(copy, copy.source, copy.source_itemsize, copy.destination,
+    run_row(copy, piece.source, copy.source_itemsize, piece.destination,
             copy.destination_itemsize, 1);
   } else {
-    walk(copy, 0, copy.source, copy.destination, piece.begin, piece.end);
+    walk(copy, 0, piece.source, piece.destination, piece.begin, piece.end);
   }
 }
 
@@ -794,7 +897,8 @@ struct WorkItems {
   std::vector<size_t> starts;
 };
 
-WorkItems split_work(const std::vector<PreparedCopy>& copies, int64_t target) {
+WorkItems split_work(const std::vector<PreparedCopy>& forms, const std::vector<CopyAt>& copies,
+                     int64_t target) {
   WorkItems work;
   int64_t batch_bytes = 0;
   auto close_batch = [&] {
@@ -802,11 +906,12 @@ WorkItems split_work(const std::vector<PreparedCopy>& copies, int64_t target) {
     batch_bytes = 0;
   };
   work.starts.push_back(0);
-  for (const PreparedCopy& copy : copies) {
+  for (const CopyAt& at : copies) {
+    const PreparedCopy& copy = forms[at.form];
     if (copy.bytes == 0) continue;
     const int64_t extent = copy.axes.empty() ? 1 : copy.axes[0].extent;
     if (copy.bytes <= target || extent == 1) {
-      work.pieces.push_back({&copy, 0, extent});
+      work.pieces.push_back({&copy, at.source, at.destination, 0, extent});
       batch_bytes += copy.bytes;
       if (batch_bytes >= target) close_batch();
       continue;
@@ -816,7 +921,8 @@ WorkItems split_work(const std::vector<PreparedCopy>& copies, int64_t target) {
     int64_t step = (extent + chunks - 1) / chunks;
     if (copy.tiled && copy.axes.size() == 2) step = (step + kTile - 1) / kTile * kTile;
     for (int64_t begin = 0; begin < extent; begin += step) {
-      work.pieces.push_back({&copy, begin, std::min(begin + step, extent)});
+      work.pieces.push_back({&copy, at.source, at.destination, begin,
+                             std::min(begin + step, extent)});
       work.starts.push_back(work.pieces.size());
     }
   }
@@ -827,13 +933,15 @@ WorkItems split_work(const std::vector<PreparedCopy>& copies, int64_t target) {
 // Below this many bytes a call runs on the calling thread alone.
 constexpr int64_t kMinBytesPerThread = int64_t{1} << 18;
 
-void run_all(const std::vector<PreparedCopy>& copies, int64_t threads) {
+void run_all(const std::vector<PreparedCopy>& forms, const std::vector<CopyAt>& copies,
+             int64_t threads) {
   int64_t total = 0;
-  for (const PreparedCopy& copy : copies)
-    if (__builtin_add_overflow(total, copy.bytes, &total)) total = INT64_MAX;
+  for (const CopyAt& at : copies)
+    if (__builtin_add_overflow(total, forms[at.form].bytes, &total)) total = INT64_MAX;
   threads = std::max<int64_t>(1, std::min(threads, total / kMinBytesPerThread));
   // Several items per thread, so that uneven items still balance.
-  const WorkItems work = split_work(copies, std::max(kMinBytesPerThread, total / (threads * 8)));
+  const WorkItems work =
+      split_work(forms, copies, std::max(kMinBytesPerThread, total / (threads * 8)));
   bus::install();
   std::atomic<bool> faulted{false};
   std::atomic<void*> fault_address{nullptr};
@@ -874,14 +982,23 @@ void execute_copies(const int64_t* table, int64_t table_length,
                     const std::vector<SourceBuffer>& sources,
                     const std::vector<DestinationBuffer>& destinations, int64_t threads) {
   if (threads < 1) throw CopyError("threads must be at least 1, not " + std::to_string(threads));
-  std::vector<PreparedCopy> copies;
-  copies.reserve(count_records(table, table_length));
+  const size_t records = count_records(table, table_length);
+  std::vector<PreparedCopy> forms;  // (pages of the part never used are never touched)
+  forms.reserve(records);
+  std::vector<CopyAt> copies;
+  copies.reserve(records);
   TableReader reader(table, table_length);
+  PreparedShapes shapes;
   while (!reader.done()) {
-    const size_t index = copies.size();
-    read_copy(index, reader, sources, destinations, copies.emplace_back());
+    if (shapes.read(reader, sources, destinations, copies)) continue;
+    const int64_t* fields = reader.rest();
+    const int64_t before = reader.left();
+    PreparedCopy& form = forms.emplace_back();
+    read_copy(copies.size(), reader, sources, destinations, form);
+    copies.push_back({forms.size() - 1, form.source, form.destination});
+    shapes.keep(forms.size() - 1, fields, before - reader.left(), forms);
   }
-  run_all(copies, threads);
+  run_all(forms, copies, threads);
 }
 
 }  // namespace aoa

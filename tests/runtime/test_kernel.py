@@ -402,6 +402,48 @@ def test_int64_rounds_once_to_bfloat16():
     assert astype_via_kernel(value, "bfloat16").view(np.uint16)[0] == 0x5D81
 
 
+@settings(max_examples=150, deadline=None)
+@given(calls(max_copies=3), st.data(), st.integers(1, 4))
+def test_copies_repeating_a_shape_match_the_reference(call, data, threads):
+    """Records that differ from one before only in their buffers and offsets are prepared
+    from it (cpp/copy_kernel.cpp, `PreparedShapes`): each still copies its own bytes."""
+    from dataclasses import replace
+
+    copies, sources, destinations = call
+    for _ in range(data.draw(st.integers(1, 8))):
+        copy = data.draw(st.sampled_from(copies))
+        lead_s, lead_d = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+        seed = data.draw(st.integers(0, 2**32 - 1))
+        sources.append(random_bytes(seed, lead_s + len(sources[copy.source])))
+        destinations.append(random_bytes(seed + 1, lead_d + len(destinations[copy.destination])))
+        copies.append(replace(copy, source=len(sources) - 1,
+                              source_offset=copy.source_offset + lead_s,
+                              destination=len(destinations) - 1,
+                              destination_offset=copy.destination_offset + lead_d))
+    run_both(copies, sources, destinations, threads)
+
+
+@pytest.mark.parametrize(("repeat", "message"), [
+    (Copy(0, 4, (4,), 0, 0, (4,), (2,), "float32", "float32"),
+     "copy 1: source region (offset 4, shape (2,), strides (4,)) does not fit in source 0 "
+     "of 8 bytes"),
+    (Copy(0, 0, (4,), 0, -4, (4,), (2,), "float32", "float32"),
+     "copy 1: destination region (offset -4, shape (2,), strides (4,)) does not fit in "
+     "destination 0 of 8 bytes"),
+    (Copy(0, 0, (4,), 0, 2**62, (4,), (2,), "float32", "float32"),
+     "copy 1: destination region (offset 4611686018427387904"),
+    (Copy(0, 2**63 - 1, (4,), 0, 0, (4,), (2,), "float32", "float32"),
+     "copy 1: source region (offset 9223372036854775807"),
+    (Copy(0, -(2**63), (4,), 0, 0, (4,), (2,), "float32", "float32"),
+     "copy 1: source region (offset -9223372036854775808"),
+])
+def test_a_repeated_shape_out_of_bounds_is_refused_naming_the_copy(repeat, message):
+    good = Copy(0, 0, (4,), 0, 0, (4,), (2,), "float32", "float32")
+    numpy_message, cpp_message = refusals([good, repeat], [bytes(8)], [bytes(8)])
+    assert numpy_message == cpp_message
+    assert message in cpp_message
+
+
 # --- refusals --------------------------------------------------------------------------
 
 
