@@ -102,7 +102,7 @@ class ShardDesc:
         return ReadShardInfo.made(
             keys, list(map(shards.__getitem__, map(slice, map(operator.sub, ends, counts),
                                                    ends))),
-            list(map(first.setdefault, map(id, rows), itertools.count())))
+            list(map(first.setdefault, map(id, rows), itertools.count())), shards)
 
     @property
     def numel(self) -> int:
@@ -161,15 +161,17 @@ class ReadShardInfo(dict[str, list[ShardDesc]]):
     _alike: list[int]
 
     @classmethod
-    def made(cls, keys: Sequence[str], lists: Sequence[list[ShardDesc]], alike: list[int]
-             ) -> ReadShardInfo:
+    def made(cls, keys: Sequence[str], lists: Sequence[list[ShardDesc]], alike: list[int],
+             shards: list[ShardDesc] | None = None) -> ReadShardInfo:
         """{keys[i]: lists[i]}, each list a key's shards (checked, none empty, each under
         its key). ``alike[i]``: the position of the first key the reader found sharded as
         key ``i`` is (``i`` itself, if none before): keys of one position have the same
-        boxes and dtypes, in order (keys of two positions may have them too)."""
+        boxes and dtypes, in order (keys of two positions may have them too). ``shards``:
+        every list's shards in order, where the reader has them in one list already."""
         info = cls(zip(keys, lists))
         info._keys, info._alike = list(keys), alike
-        info._shards = list(itertools.chain.from_iterable(lists))
+        info._shards = (list(itertools.chain.from_iterable(lists)) if shards is None
+                        else shards)
         info._counts = list(map(len, lists))
         return info
 

@@ -132,7 +132,8 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
         alike[position] = position  # made by the full checks: alike no other, for all we know
         located.update(((shard.key, shard.global_offset), location)
                        for shard, location in found)
-    return StoredShards(ReadShardInfo.made(names, by_key, alike), located)
+    return StoredShards(ReadShardInfo.made(names, by_key, alike, None if closely else shards),
+                        located)
 
 
 _Cut = tuple[list[int], tuple[int, ...]]
