@@ -169,3 +169,21 @@ def test_help_and_check_import_only_what_they_need(files):
     check[2] = str(files / "whole.safetensors")
     check_modules = _modules_after(f"from aoa.cli import main\nmain(['check', *{check!r}])")
     assert check_modules & heavy == set()
+
+
+@pytest.mark.parametrize(("mapping", "code"), [("ok.aoa", 0), ("bad.aoa", 1)])
+def test_the_command_as_a_process_flushes_its_output_and_exits_with_mains_code(
+        files, capsys, mapping, code):
+    """`aoa` (`run`) ends the process right after `main`: what it printed still reaches a
+    pipe, in full, and the exit code is main's."""
+    import subprocess
+    import sys
+
+    args = ["check", str(files / mapping), "--source", str(files / "src.json"),
+            "--destination", str(files / "dst.json")]
+    assert main(args) == code
+    expected = capsys.readouterr()
+    result = subprocess.run([sys.executable, "-m", "aoa.cli", *args], capture_output=True,
+                            text=True)
+    assert (result.returncode, result.stdout, result.stderr) == (code, expected.out,
+                                                                 expected.err)

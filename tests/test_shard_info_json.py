@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 import aoa
 from aoa.errors import quote
 from aoa.inputs import load_json
-from aoa.layout import ShardDesc, normalize_shard_info
+from aoa.layout import ShardDesc, normalize_shard_info, sharded_alike
 from aoa.limits import MAX_BYTES
 from aoa.mapping import read_shard_info
+from aoa.passes.context import Shardings
 from aoa.shard_info_json import read_regular_shard_info
 
 numbers = st.one_of(st.integers(-2, 9), st.sampled_from([True, 2.0, "3", None, 2**62]))
@@ -144,6 +145,9 @@ def assert_read_as_parsed(text: str) -> dict[str, list[ShardDesc]] | None:
         expected = parsed_and_checked(text)
         assert found == expected
         assert list(found) == list(expected)
+        # which keys are sharded alike, as the reader knew it, is what a compile finds
+        assert sharded_alike(found) is not None
+        assert Shardings().of_keys(found) == Shardings().of_keys(dict(found))
         for shards in found.values():
             for shard in shards:
                 assert type(shard) is ShardDesc and type(shard.local_shape) is tuple
@@ -287,3 +291,32 @@ def test_keys_of_their_own_templates_are_left_to_parsing_and_read_right(tmp_path
                       for n, (key, shards) in enumerate(info.items(), start=1)})
     assert read_regular_shard_info(own) is None
     assert read_as_the_command_does(tmp_path, own) == parsed_and_checked(own)
+
+
+def test_what_the_reader_knew_is_used_only_while_the_info_is_as_read():
+    """Keys sharded alike, as the reader found them, stand in for a compile's own look only
+    while the dict holds the very shards read: any change and the compile looks itself."""
+    shards = ('{"key": "K", "local_shape": [1], "global_shape": [2], "global_offset": [0]}, '
+              '{"key": "K", "local_shape": [1], "global_shape": [2], "global_offset": [1]}')
+    # keys that no field name holds: each key's text is the one template with the key in it
+    text = "{" + ", ".join(f'"{key}": [{shards.replace("K", key)}]' for key in "uwx") + "}"
+    whole = ShardDesc("w", (2,), (2,), (0,))
+    changes = [
+        lambda info: info["w"].__setitem__(1, ShardDesc("w", (1,), (2,), (0,))),
+        lambda info: info.__setitem__("w", [whole]),
+        lambda info: info["w"].append(whole),
+        lambda info: info.__setitem__("w", tuple(info["w"])),
+        lambda info: info.pop("u"),
+        lambda info: info.__setitem__("v", [ShardDesc("v", (2,), (2,), (0,))]),
+        lambda info: info.update(w=info.pop("w")),  # the same lists, keys in another order
+    ]
+    for change in changes:
+        info = read_regular_shard_info(text)
+        assert info is not None
+        assert sharded_alike(info) == (["u", "w", "x"], [0, 0, 0], [info["u"]])
+        change(info)
+        assert sharded_alike(info) is None
+        assert Shardings().of_keys(info) == Shardings().of_keys(dict(info))
+        normalized = normalize_shard_info(info, "destination")
+        assert normalized == {key: list(shards) for key, shards in info.items()}
+        assert sharded_alike(normalized) is None

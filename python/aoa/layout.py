@@ -88,16 +88,21 @@ class ShardDesc:
 
     @classmethod
     def grouped_unchecked(cls, keys: Sequence[str], rows: Sequence[Sequence[ShardRow]]
-                          ) -> dict[str, list[ShardDesc]]:
+                          ) -> ReadShardInfo:
         """{key: [`unchecked` of each of its rows]}, for descriptions checked in bulk
-        (shard-info JSON): `many_unchecked` of all the rows, cut into each key's list."""
+        (shard-info JSON): `many_unchecked` of all the rows, cut into each key's list. Keys
+        given the same ``rows`` object are sharded alike, and the result says so."""
         counts = list(map(len, rows))
         flat = list(itertools.chain.from_iterable(rows))
         shards = cls.many_unchecked(
             itertools.chain.from_iterable(map(itertools.repeat, keys, counts)),
             *zip(*flat)) if flat else []
         ends = list(itertools.accumulate(counts))
-        return {key: shards[end - count:end] for key, count, end in zip(keys, counts, ends)}
+        first: dict[int, int] = {}  # id of a rows object (all alive here) -> its first key
+        return ReadShardInfo.made(
+            keys, list(map(shards.__getitem__, map(slice, map(operator.sub, ends, counts),
+                                                   ends))),
+            list(map(first.setdefault, map(id, rows), itertools.count())), shards)
 
     @property
     def numel(self) -> int:
@@ -138,6 +143,66 @@ _INT_ONLY = frozenset({int})
 _ShardFields = fields_twin(ShardDesc)
 
 ShardInfo = Mapping[str, Sequence[ShardDesc]]
+
+
+class ReadShardInfo(dict[str, list[ShardDesc]]):
+    """Shard info as a reader made it in bulk (`aoa.mapping.read_shard_info`, a source's
+    ``shards``), with what the reader knew: which keys are sharded alike (the experts of a
+    layer are). A compile would otherwise find that out again by building every key's tuple
+    of boxes. What the reader knew is used only while the dict holds exactly the shards it
+    was said of (`sharded_alike`): the same keys in order, the same ShardDesc objects in
+    the same lists' order."""
+
+    __slots__ = ("_alike", "_counts", "_keys", "_shards")
+
+    _keys: list[str]
+    _shards: list[ShardDesc]
+    _counts: list[int]
+    _alike: list[int]
+
+    @classmethod
+    def made(cls, keys: Sequence[str], lists: Sequence[list[ShardDesc]], alike: list[int],
+             shards: list[ShardDesc] | None = None) -> ReadShardInfo:
+        """{keys[i]: lists[i]}, each list a key's shards (checked, none empty, each under
+        its key). ``alike[i]``: the position of the first key the reader found sharded as
+        key ``i`` is (``i`` itself, if none before): keys of one position have the same
+        boxes and dtypes, in order (keys of two positions may have them too). ``shards``:
+        every list's shards in order, where the reader has them in one list already."""
+        info = cls(zip(keys, lists))
+        info._keys, info._alike = list(keys), alike
+        info._shards = (list(itertools.chain.from_iterable(lists)) if shards is None
+                        else shards)
+        info._counts = list(map(len, lists))
+        return info
+
+    def unchanged(self) -> bool:
+        """Whether the dict holds exactly what it was made with (few C-level passes)."""
+        lists = list(self.values())
+        return (list(self) == self._keys and _LIST_ONLY.issuperset(map(type, lists))
+                and list(map(len, lists)) == self._counts
+                and list(itertools.chain.from_iterable(lists)) == self._shards)
+
+    def copied(self) -> ReadShardInfo:
+        """A new dict of new lists of the same shards, knowing what this one knows."""
+        info = ReadShardInfo(zip(self._keys, map(list.copy, self.values())))
+        info._keys, info._shards = self._keys, self._shards
+        info._counts, info._alike = self._counts, self._alike
+        return info
+
+
+def sharded_alike(info: ShardInfo | None
+                  ) -> tuple[list[str], list[int], list[list[ShardDesc]]] | None:
+    """What a reader knew of ``info`` (a `ReadShardInfo` still as made): its keys, each
+    key's way of being sharded, numbered from 0 in the order first met (keys with equal
+    numbers have equal boxes and dtypes, in order), and the shards of each way's first
+    key. None where ``info`` is anything else."""
+    if type(info) is not ReadShardInfo or not info.unchanged():
+        return None
+    firsts = list(dict.fromkeys(info._alike))  # in the order first met
+    number = dict(zip(firsts, itertools.count()))
+    lists = list(info.values())
+    return (info._keys, list(map(number.__getitem__, info._alike)),
+            list(map(lists.__getitem__, firsts)))
 
 
 def shard_kinds(shards: Sequence[ShardDesc]
@@ -212,6 +277,8 @@ def normalize_shard_info(info: Mapping | None, what: str) -> dict[str, list[Shar
     if not isinstance(info, Mapping):
         raise UsageError(f"{what} shard info must map keys to lists of shards, not "
                          f"{quote(info)}")
+    if type(info) is ReadShardInfo and info.unchanged():
+        return info.copied()  # made by a reader from checked shards, as is
     already = _checked_already(info)
     if already is not None:
         return already

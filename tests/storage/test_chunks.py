@@ -14,6 +14,7 @@ from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
+from aoa.passes.context import Shardings
 from aoa.storage import chunks as chunks_module
 from aoa.storage.chunks import (
     Chunk,
@@ -23,6 +24,7 @@ from aoa.storage.chunks import (
     shards_by_key,
     stored_shards,
 )
+from aoa.storage.formats import StoredShards
 
 
 def outcome(read):
@@ -117,7 +119,10 @@ def test_fuzz_chunks_as_columns_make_the_same_shards(case, data):
         grouped.setdefault(key, []).append(Chunk(*chunk))
     columns = ChunkColumns(*map(list, zip(*rows))) if rows else ChunkColumns(*[[]] * 6)
     expected = both_ways(lambda: as_stored(shards_by_key(grouped)))
-    assert both_ways(lambda: stored_shards(columns)) == expected
+    found = both_ways(lambda: stored_shards(columns))
+    assert found == expected
+    if isinstance(found, StoredShards):  # keys stored alike, as found, are sharded alike
+        assert Shardings().of_keys(found.shards) == Shardings().of_keys(dict(found.shards))
     if chunks_module._well_typed(grouped, *columns[1:4]):  # as a format that checked them
         assert outcome(lambda: stored_shards(columns, typed=True)) == expected
 

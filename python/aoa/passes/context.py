@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aoa.errors import AoaError
-from aoa.layout import ShardDesc, check_tiling, model_state_keys
+from aoa.layout import ShardDesc, check_tiling, model_state_keys, sharded_alike
 from aoa.source import Span
 
 if TYPE_CHECKING:
@@ -47,7 +47,13 @@ class Shardings:
                                           s.dtype) for s in shards]), len(numbers))
 
     def of_keys(self, info: Mapping[str, Sequence[ShardDesc]] | None) -> dict[str, int]:
-        """The number of each key's shards (`number`, inline: a model has 100k keys)."""
+        """The number of each key's shards (`number`, inline: a model has 100k keys); where
+        a reader knows which keys are sharded alike, `number` of one key of each way."""
+        known = sharded_alike(info)
+        if known is not None:
+            keys, ways, shards_of_way = known
+            return dict(zip(keys, map(list(map(self.number, shards_of_way)).__getitem__,
+                                      ways)))
         numbers = self._numbers
         return {key: numbers.setdefault(tuple([(s.global_offset, s.local_shape,
                                                 s.global_shape, s.dtype) for s in shards]),

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from aoa.dtypes import ITEMSIZES, itemsize
 from aoa.errors import StorageError, quote
 from aoa.inputs import is_text
-from aoa.layout import ShardDesc, distinct_boxes, tiling_fault
+from aoa.layout import ReadShardInfo, ShardDesc, distinct_boxes, tiling_fault
 from aoa.limits import shape_problem
 from aoa.storage.formats import StoredShards
 
@@ -125,11 +125,15 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
     made_ends = list(itertools.accumulate(made))
     by_key = list(map(shards.__getitem__, map(slice, [0, *made_ends[:-1]], made_ends)))
     located = dict(zip(zip(shard_keys, shard_offsets), map(locations.__getitem__, chosen)))
+    first_of_way: dict[tuple[int, ...], int] = {}  # keys stored alike are sharded alike
+    alike = list(map(first_of_way.setdefault, ways, itertools.count()))
     for position, found in closely.items():
         by_key[position] = [shard for shard, _ in found]
+        alike[position] = position  # made by the full checks: alike no other, for all we know
         located.update(((shard.key, shard.global_offset), location)
                        for shard, location in found)
-    return StoredShards(dict(zip(names, by_key)), located)
+    return StoredShards(ReadShardInfo.made(names, by_key, alike, None if closely else shards),
+                        located)
 
 
 _Cut = tuple[list[int], tuple[int, ...]]
