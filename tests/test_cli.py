@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -187,3 +188,30 @@ def test_the_command_as_a_process_flushes_its_output_and_exits_with_mains_code(
                             text=True)
     assert (result.returncode, result.stdout, result.stderr) == (code, expected.out,
                                                                  expected.err)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc/self/task")
+@pytest.mark.parametrize(("asked", "threads"), [(None, ("1", 1)), ("2", ("2", 2))])
+def test_the_command_gives_numpy_one_blas_thread_unless_the_user_asks(asked, threads):
+    """`aoa` as a process sets OPENBLAS_NUM_THREADS=1 before numpy is imported (its thread
+    server would spin a second core for nothing: aoa does no linear algebra); a value the
+    user set is kept."""
+    import subprocess
+    import sys
+
+    probe = ("import os, aoa.cli as cli\n"
+             "def main():\n"
+             "    import numpy\n"
+             "    print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))\n"
+             "    return 0\n"
+             "cli.main = main\n"
+             "cli.run()\n")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if asked is not None:
+        env["OPENBLAS_NUM_THREADS"] = asked
+    if asked is not None and (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: OpenBLAS starts no second thread whatever is asked")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env=env, check=True)
+    value, count = result.stdout.split()
+    assert (value, int(count)) == threads

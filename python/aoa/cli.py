@@ -463,8 +463,11 @@ def run() -> NoReturn:
     flushed. The files a command writes are complete and durable before it returns; what it
     made in memory goes back to the system with the process, neither freed object by object
     nor walked by the interpreter's teardown. The cyclic collector stays off throughout: once
-    back on, its first collection would walk every object the command kept (0.1 s here)."""
+    back on, its first collection would walk every object the command kept (0.1 s here).
+    numpy's BLAS gets one thread unless the user says otherwise: aoa does no linear algebra,
+    and OpenBLAS's thread server spins ~0.07-0.12 s of a core after `import numpy`."""
     global _kept
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     _kept = []
     gc.disable()
     code = main()
