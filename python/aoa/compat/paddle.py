@@ -28,6 +28,8 @@ ShardedWeightDesc = ShardDesc
 #: source size, postprocess steps or None)
 _EntryForm = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
                    "tuple[str, ...] | None"]
+#: a planned shard's answer: the form of the one piece that fills it, or a list of forms
+_ShardForm = _EntryForm | list[_EntryForm]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,7 @@ class AOAEngine:
         self._postprocess: dict[tuple[Op, ...], tuple[str, ...]] = {}
         #: destination key -> its declared shards, the parts of each one's Paddle entries
         #: (None: declared with `_ -> X`, no entries) and the keys their slots read
-        self._planned: dict[str, tuple[list[ShardDesc], list[list[_EntryForm]] | None,
+        self._planned: dict[str, tuple[list[ShardDesc], list[_ShardForm] | None,
                                        Sequence[str]]] = {}
         #: the compilation and its planner, for the queries of other boxes (None: not
         #: made since construction, see `compilation`)
@@ -130,7 +132,7 @@ class AOAEngine:
         # too, not query by query: objects by the hundred thousand that outlive the
         # queries would set the collector walking them in the middle of them
         answered = Planner(compilation.tensors, ctx).answer_declared()
-        forms: dict[int, list[list[_EntryForm]]] = {}  # by id of a key's answers
+        forms: dict[int, list[_ShardForm]] = {}  # by id of a key's answers
         for key, shards in self.destination.items():
             answers, read_keys = answered.get(key, (None, ()))
             key_forms = None
@@ -163,9 +165,9 @@ class AOAEngine:
             return []
         form = forms[position]
         source = self.source
-        if len(form) == 1:  # the one piece of a planned shard covers all of it: its entry
-            # made here, by plain stores (`_read_entry`, inline: a query a shard)
-            slot, _, _, source_lo, source_size, steps = form[0]
+        if isinstance(form, tuple):  # the one piece that fills the shard: its entry made
+            # here, by plain stores (`_read_entry`, inline: a query a shard)
+            slot, _, _, source_lo, source_size, steps = form
             source_key = read_keys[slot]
             read = source[source_key][0]
             source_shard = _new_object(_ShardFields)
@@ -188,18 +190,18 @@ class AOAEngine:
                                       source_lo, steps))
         return result
 
-    def _form(self, answer: Sequence[Entry], shard: ShardDesc) -> list[_EntryForm]:
+    def _form(self, answer: Sequence[Entry], shard: ShardDesc) -> _ShardForm:
         """The parts of the Paddle entries of a planned shard's pieces. The one piece of a
         shard's answer fills it (every answer was checked to cover its shard, inside it):
-        its sizes are the shard's, and the source's too where the piece is not permuted,
-        not new tuples of their own for every shard."""
+        its form stands alone, not in a list, its sizes the shard's, and the source's too
+        where the piece is not permuted (no new objects of their own for every shard)."""
         if len(answer) == 1 and answer[0].target_lo == shard.global_offset:
             (entry,) = answer
             size = shard.local_shape
-            return [(entry.slot, entry.target_lo, size, entry.source_lo,
-                     size if entry.order is None
-                     else tuple(map(sub, entry.source_hi, entry.source_lo)),
-                     self._postprocess_steps(entry.ops))]
+            return (entry.slot, entry.target_lo, size, entry.source_lo,
+                    size if entry.order is None
+                    else tuple(map(sub, entry.source_hi, entry.source_lo)),
+                    self._postprocess_steps(entry.ops))
         return [(entry.slot, entry.target_lo, tuple(map(sub, entry.target_hi, entry.target_lo)),
                  entry.source_lo, tuple(map(sub, entry.source_hi, entry.source_lo)),
                  self._postprocess_steps(entry.ops)) for entry in answer]
