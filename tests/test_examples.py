@@ -117,6 +117,22 @@ def test_paddle_engine_answers_from_the_plan_as_when_asked(name):
                 entry.source_slice.key = "x"  # type: ignore[misc]
 
 
+def test_paddle_engine_compilation_is_made_again_when_asked():
+    """With a destination, the engine keeps the answers of its shards, not the compilation
+    behind them; asked for afterwards, the compilation is made again, once, from the same
+    program and shard descriptions, and answers another box as it would have."""
+    source = {"w": [aoa.ShardDesc.full("w", (4, 6), "float32")]}
+    destination = {"v": [aoa.ShardDesc("v", (3, 4), (6, 4), (0, 0), "float32"),
+                         aoa.ShardDesc("v", (3, 4), (6, 4), (3, 0), "float32")]}
+    engine = AOAEngine({"aoa_statements": ["w^T -> v"]}, source, destination)
+    compilation = engine.compilation
+    assert engine.compilation is compilation
+    assert compilation.made_as("v") == aoa.ShardDesc.full("v", (6, 4), "float32")
+    (entry,) = engine.find_shard_sources(aoa.ShardDesc("v", (2, 4), (6, 4), (1, 0), "float32"))
+    assert entry.source_slice == aoa.ShardDesc("w", (4, 2), (4, 6), (0, 1), "float32")
+    assert entry.postprocess_list == ["[1, 0]"]
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_compile_and_numpy_executor_give_expected_bytes(name):
     case, arrays = load_case(name)

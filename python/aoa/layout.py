@@ -309,8 +309,8 @@ def _checked_already(info: Mapping) -> dict[str, list[ShardDesc]] | None:
     if not _LIST_ONLY.issuperset(map(type, lists)) or not all(lists):
         return None
     shards = list(itertools.chain.from_iterable(lists))
-    if not _SHARD_DESC_ONLY.issuperset(map(type, shards)) or list(map(_KEY, shards)) != list(
-            itertools.chain.from_iterable(map(itertools.repeat, keys, map(len, lists)))):
+    if not _SHARD_DESC_ONLY.issuperset(map(type, shards)) or list(map(_KEY, shards)) != [
+            key for key, listed in zip(keys, lists) for _ in listed]:
         return None
     return dict(zip(keys, map(list.copy, lists)))
 

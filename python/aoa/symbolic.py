@@ -251,6 +251,13 @@ def intersect(piece_map: PieceMap, lo: Box, hi: Box) -> list[Entry]:
         return result
     result = []
     for p in piece_map.pieces:
+        if p.target_lo == lo and p.target_hi == hi:
+            # the box is this piece's own (a whole tensor asked whole, the usual shard of a
+            # small model): its own boxes, told by two comparisons of tuples
+            if all(map(lt, lo, hi)):
+                result.append(_new_tuple(Entry, (p.slot, p.target_lo, p.target_hi,
+                                                 p.source_lo, p.source_hi, p.ops, p.order)))
+            continue
         # most pieces of a big map lie outside the box: told apart before any tuple is made
         if not (all(map(lt, lo, p.target_hi)) and all(map(lt, p.target_lo, hi))):
             continue

@@ -18,7 +18,7 @@ from aoa.frozen import fields_twin
 from aoa.layout import ShardDesc, as_shard
 from aoa.passes import Pass, propagate_shapes, share_instances, through
 from aoa.passes.plan import Planner
-from aoa.pipeline import compile_in, new_context
+from aoa.pipeline import Compilation, compile_in, new_context
 from aoa.symbolic import Entry, Op, Permute
 
 #: Paddle's shard descriptor; the same fields and value semantics.
@@ -28,6 +28,8 @@ ShardedWeightDesc = ShardDesc
 #: source size, postprocess steps or None)
 _EntryForm = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...],
                    "tuple[str, ...] | None"]
+#: a planned shard's answer: the form of the one piece that fills it, or a list of forms
+_ShardForm = _EntryForm | list[_EntryForm]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +84,38 @@ class AOAEngine:
         self._postprocess: dict[tuple[Op, ...], tuple[str, ...]] = {}
         #: destination key -> its declared shards, the parts of each one's Paddle entries
         #: (None: declared with `_ -> X`, no entries) and the keys their slots read
-        self._planned: dict[str, tuple[list[ShardDesc], list[list[_EntryForm]] | None,
+        self._planned: dict[str, tuple[list[ShardDesc], list[_ShardForm] | None,
                                        Sequence[str]]] = {}
+        #: the compilation and its planner, for the queries of other boxes (None: not
+        #: made since construction, see `compilation`)
+        self._compilation: Compilation | None = None
+        self._planner: Planner | None = None
         # one pause of the collector for all of the construction: each pause ends with a
         # collection of what was made in it, and the descriptions read first are made by
         # the hundred
         with collector_paused():
             self._build(source_state_shard_info, destination_state_shard_info)
+
+    @property
+    def compilation(self) -> Compilation:
+        """What the compiler made of the program. With a destination, the engine keeps only
+        the answers of its shards once they are planned, not the statements, tensors and
+        memos behind them (a thousand objects for a small model, which the collector would
+        walk and which no query of a declared shard reads): they are made again, alike,
+        when first asked (a query of another box asks)."""
+        if self._compilation is None:
+            with collector_paused():
+                self._compilation = compile_in(
+                    new_context(self.source, self.destination, self.reverse),
+                    self.statements, passes=_PASSES)
+        return self._compilation
+
+    def _boxes_planner(self) -> Planner:
+        """The planner of boxes that are no declared shard."""
+        if self._planner is None:
+            compilation = self.compilation
+            self._planner = Planner(compilation.tensors, compilation.ctx)
+        return self._planner
 
     def _build(self, source_state_shard_info: Mapping,
                destination_state_shard_info: Mapping | None) -> None:
@@ -96,23 +123,23 @@ class AOAEngine:
         ctx = new_context(source_state_shard_info, destination_state_shard_info, self.reverse)
         self.source = ctx.source
         self.destination = ctx.destination
-        self.compilation = compile_in(ctx, self.statements, passes=_PASSES)
-        self._planner = Planner(self.compilation.tensors, ctx)
-        if self.destination is None:
+        compilation = compile_in(ctx, self.statements, passes=_PASSES)
+        if self.destination is None:  # every query is of a box planned when asked
+            self._compilation = compilation
             return
         # every shard answered (so checked) here: wrong programs are refused before any
         # byte moves, not at the query that hits them; the entries' parts are made here
         # too, not query by query: objects by the hundred thousand that outlive the
         # queries would set the collector walking them in the middle of them
-        answered = self._planner.answer_declared()
-        forms: dict[int, list[list[_EntryForm]]] = {}  # by id of a key's answers
+        answered = Planner(compilation.tensors, ctx).answer_declared()
+        forms: dict[int, list[_ShardForm]] = {}  # by id of a key's answers
         for key, shards in self.destination.items():
             answers, read_keys = answered.get(key, (None, ()))
             key_forms = None
             if answers is not None:  # keys laid out alike share their answers
                 key_forms = forms.get(id(answers))
                 if key_forms is None:
-                    key_forms = forms[id(answers)] = [self._form(a) for a in answers]
+                    key_forms = forms[id(answers)] = list(map(self._form, answers, shards))
             self._planned[key] = (shards, key_forms, read_keys)
 
     def find_shard_sources(self, target: ShardDesc) -> list[ShardMappingEntry]:
@@ -124,10 +151,11 @@ class AOAEngine:
         if planned is None:
             return self._answer_unplanned(as_shard(target))
         shards, forms, read_keys = planned
-        for position in range(len(shards)):  # a few shards a key: no index needed
-            shard = shards[position]
+        position = 0
+        for shard in shards:  # a few shards a key: no index needed
             if shard.global_offset == offset:
                 break
+            position += 1
         else:
             return self._answer_unplanned(as_shard(target))
         if (shard.local_shape != target.local_shape or shard.global_shape
@@ -137,11 +165,22 @@ class AOAEngine:
             return []
         form = forms[position]
         source = self.source
-        if len(form) == 1:  # the one piece of a planned shard covers all of it
-            slot, _, _, source_lo, source_size, steps = form[0]
+        if isinstance(form, tuple):  # the one piece that fills the shard: its entry made
+            # here, by plain stores (`_read_entry`, inline: a query a shard)
+            slot, _, _, source_lo, source_size, steps = form
             source_key = read_keys[slot]
             read = source[source_key][0]
-            return [_read_entry(shard, source_key, source_size, read, source_lo, steps)]
+            source_shard = _new_object(_ShardFields)
+            source_shard.key, source_shard.local_shape = source_key, source_size
+            source_shard.global_shape, source_shard.global_offset = (read.global_shape,
+                                                                     source_lo)
+            source_shard.dtype = read.dtype
+            source_shard.__class__ = ShardDesc
+            entry = _new_object(_EntryFields)
+            entry.target_slice, entry.source_slice = shard, source_shard
+            entry.postprocess_list = None if steps is None else list(steps)
+            entry.__class__ = ShardMappingEntry
+            return [entry]
         result = []
         key, global_shape, dtype = shard.key, shard.global_shape, shard.dtype
         for slot, target_lo, target_size, source_lo, source_size, steps in form:
@@ -151,18 +190,29 @@ class AOAEngine:
                                       source_lo, steps))
         return result
 
-    def _form(self, answer: Sequence[Entry]) -> list[_EntryForm]:
-        """The parts of the Paddle entries of a planned shard's pieces."""
+    def _form(self, answer: Sequence[Entry], shard: ShardDesc) -> _ShardForm:
+        """The parts of the Paddle entries of a planned shard's pieces. The one piece of a
+        shard's answer fills it (every answer was checked to cover its shard, inside it):
+        its form stands alone, not in a list, its sizes the shard's, and the source's too
+        where the piece is not permuted (no new objects of their own for every shard)."""
+        if len(answer) == 1 and answer[0].target_lo == shard.global_offset:
+            (entry,) = answer
+            size = shard.local_shape
+            return (entry.slot, entry.target_lo, size, entry.source_lo,
+                    size if entry.order is None
+                    else tuple(map(sub, entry.source_hi, entry.source_lo)),
+                    self._postprocess_steps(entry.ops))
         return [(entry.slot, entry.target_lo, tuple(map(sub, entry.target_hi, entry.target_lo)),
                  entry.source_lo, tuple(map(sub, entry.source_hi, entry.source_lo)),
                  self._postprocess_steps(entry.ops)) for entry in answer]
 
     def _answer_unplanned(self, target: ShardDesc) -> list[ShardMappingEntry]:
         """A box the plan did not cover: answered and checked now."""
-        answer = self._planner.answer(target)
+        planner = self._boxes_planner()
+        answer = planner.answer(target)
         if answer is None:
             return []
-        self._planner.check(target, answer)
+        planner.check(target, answer)
         result = []
         for source_key, entry in answer:
             read = self.source[source_key][0]

@@ -43,22 +43,38 @@ class Shardings:
 
     def number(self, shards: Sequence[ShardDesc]) -> int:
         numbers = self._numbers
+        if len(shards) == 1:
+            (s,) = shards
+            return numbers.setdefault((s.global_offset, s.local_shape, s.global_shape, s.dtype),
+                                      len(numbers))
         return numbers.setdefault(tuple([(s.global_offset, s.local_shape, s.global_shape,
                                           s.dtype) for s in shards]), len(numbers))
 
     def of_keys(self, info: Mapping[str, Sequence[ShardDesc]] | None) -> dict[str, int]:
         """The number of each key's shards (`number`, inline: a model has 100k keys); where
-        a reader knows which keys are sharded alike, `number` of one key of each way."""
+        a reader knows which keys are sharded alike, `number` of one key of each way.
+
+        A key of one shard (most keys) is numbered by that shard's row alone, not by a
+        tuple of one row: a row ends with a dtype (a text or None), a tuple of several
+        rows with a row, so the two never stand for each other."""
         known = sharded_alike(info)
         if known is not None:
             keys, ways, shards_of_way = known
             return dict(zip(keys, map(list(map(self.number, shards_of_way)).__getitem__,
                                       ways)))
         numbers = self._numbers
-        return {key: numbers.setdefault(tuple([(s.global_offset, s.local_shape,
-                                                s.global_shape, s.dtype) for s in shards]),
-                                        len(numbers))
-                for key, shards in (info or {}).items()}
+        setdefault = numbers.setdefault
+        result = {}
+        for key, shards in (info or {}).items():
+            if len(shards) == 1:
+                s = shards[0]
+                result[key] = setdefault((s.global_offset, s.local_shape, s.global_shape,
+                                          s.dtype), len(numbers))
+            else:
+                result[key] = setdefault(tuple([(s.global_offset, s.local_shape,
+                                                 s.global_shape, s.dtype) for s in shards]),
+                                         len(numbers))
+        return result
 
 
 @dataclass

@@ -400,12 +400,14 @@ class Planner:
         has the tensor's global shape, and every piece of the tensor reads a key the source
         has, in the dtype of each shard (False: check shard by shard, as `plan` does)."""
         shape = tensor.shape
-        dtypes = {shard.dtype for shard in shards if shard.global_shape == shape}
-        if len(dtypes) != 1 or any(shard.global_shape != shape for shard in shards):
-            return False
-        (dtype,) = dtypes
+        dtype = shards[0].dtype
+        for shard in shards:  # all of the tensor's shape, in one dtype
+            if shard.global_shape != shape or shard.dtype != dtype:
+                return False
         source = self.ctx.source
-        for slot, ops in {(p.slot, p.ops) for p in tensor.piece_map.pieces}:
+        pieces = tensor.piece_map.pieces
+        for slot, ops in ({(p.slot, p.ops) for p in pieces} if len(pieces) != 1
+                          else [(pieces[0].slot, pieces[0].ops)]):
             listed = source.get(read_keys[slot])
             if not listed:
                 return False
