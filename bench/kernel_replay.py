@@ -16,20 +16,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import shutil
+import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
-
-def load_core(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_core", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not a Python extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_versions import load_other  # another build's _core, as that bench loads it
 
 
 def main() -> None:
@@ -76,7 +69,7 @@ def main() -> None:
         shutil.rmtree(output, ignore_errors=True)
         cores = {"this": core}
         if args.against:
-            cores["against"] = load_core(args.against)
+            cores["against"] = load_other(args.against)
         fields = sum(len(call[0]) for call in calls)
         print(f"{len(calls)} calls, {fields:,} table fields")
         best = {name: float("inf") for name in cores}

@@ -230,31 +230,25 @@ def test_transposes_near_block_edges_match_the_reference(data, dtype, threads):
              [random_bytes(8, destination_size)], threads=threads)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "uint8"])
-@pytest.mark.parametrize("destination_offset", [0, 16, 40, 2])
-def test_large_transposes_match_the_reference(dtype, destination_offset):
+@pytest.mark.parametrize(("dtype", "destination_offset", "row_bytes", "rows", "short", "seed"), [
     # Over 16 MiB of destination, rows 8 KiB apart: streamed stores, the columns before the
     # first 64-byte line through rows (none when the offset is not a multiple of the item).
-    item = itemsize(dtype)
-    rows, columns = 2053, 8192 // item - 3
-    copy = Copy(0, 0, (item, rows * item), 0, destination_offset, (8192, item),
-                (rows, columns), dtype, dtype)
-    run_both([copy], [random_bytes(9, rows * columns * item)],
-             [random_bytes(10, destination_offset + rows * 8192)],
-             threads=1 + destination_offset % 3)
-
-
-@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
-@pytest.mark.parametrize("destination_offset", [0, 40])
-def test_mid_sized_transposes_match_the_reference(dtype, destination_offset):
+    *[(dtype, offset, 8192, 2053, 3, 9) for dtype in ("float64", "float32", "bfloat16", "uint8")
+      for offset in (0, 16, 40, 2)],
     # 1-16 MiB of destination (a piece of a staging buffer), rows 4 KiB apart: streamed
     # stores too, in tiles taller than the copy (fewer rows than a streamed tile's 1024).
+    *[(dtype, offset, 4096, 517, 5, 13) for dtype in ("float64", "float32", "bfloat16")
+      for offset in (0, 40)],
+])
+def test_large_transposes_match_the_reference(dtype, destination_offset, row_bytes, rows,
+                                              short, seed):
+    # ``short``: columns fewer than a destination row holds, so each row ends mid-line.
     item = itemsize(dtype)
-    rows, columns = 517, 4096 // item - 5
-    copy = Copy(0, 0, (item, rows * item), 0, destination_offset, (4096, item),
+    columns = row_bytes // item - short
+    copy = Copy(0, 0, (item, rows * item), 0, destination_offset, (row_bytes, item),
                 (rows, columns), dtype, dtype)
-    run_both([copy], [random_bytes(13, rows * columns * item)],
-             [random_bytes(14, destination_offset + rows * 4096)],
+    run_both([copy], [random_bytes(seed, rows * columns * item)],
+             [random_bytes(seed + 1, destination_offset + rows * row_bytes)],
              threads=1 + destination_offset % 3)
 
 
