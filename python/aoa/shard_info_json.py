@@ -62,19 +62,36 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
                                                 itertools.repeat('"'))))
     if len(set(keys)) != len(keys) or not _plain_keys(keys):
         return None
-    templates = list(map(str.replace, entries, keys, itertools.repeat("")))
-    distinct = dict.fromkeys(templates)
-    if len(distinct) > _FEW_TEMPLATES and len(distinct) * 4 > len(keys):
-        return None  # parsed one by one here, they would cost more than json.loads
+    # A guess of each key's template by the lengths of its text and of its key, made of the
+    # first text of those lengths; the join below checks every guess, so a wrong one costs
+    # only the exact look (the key taken out of the text) that every key took before.
+    lengths = list(zip(map(len, entries), map(len, keys)))
+    first = dict(zip(reversed(lengths), range(len(keys) - 1, -1, -1)))
+    guessed = {found: entries[position].replace(keys[position], "")
+               for found, position in first.items()}
+    # parsed one by one here, more templates than this would cost more than json.loads
+    most = max(_FEW_TEMPLATES, len(keys) // 4)
     bodies: dict[str, tuple[ShardRow, bool] | None] = {}
-    parsed = {template: _parse_list(template, "", bodies) for template in distinct}
+    parsed: dict[str, _Template | None] = {}
+    for template in guessed.values():
+        if template not in parsed:
+            parsed[template] = _parse_list(template, "", bodies)
+    if len(parsed) > most:
+        return None
     boxes = []
-    for key, entry, template in zip(keys, entries, templates):
-        found = parsed[template]
-        if found is None or key.join(found[0]) != entry:  # the key is elsewhere in its text
-            found = _parse_list(entry, key, bodies)
-            if found is None:
-                return None
+    for key, entry, found_lengths in zip(keys, entries, lengths):
+        found = parsed[guessed[found_lengths]]
+        if found is None or key.join(found[0]) != entry:  # a wrong guess, or the key is
+            template = entry.replace(key, "")  # elsewhere in its text too
+            if template not in parsed:
+                parsed[template] = _parse_list(template, "", bodies)
+                if len(parsed) > most:
+                    return None
+            found = parsed[template]
+            if found is None or key.join(found[0]) != entry:
+                found = _parse_list(entry, key, bodies)
+                if found is None:
+                    return None
         boxes.append(found[1])
     return ShardDesc.grouped_unchecked(keys, boxes)
 
