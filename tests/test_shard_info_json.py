@@ -293,19 +293,20 @@ def test_keys_of_their_own_templates_are_left_to_parsing_and_read_right(tmp_path
     assert read_as_the_command_does(tmp_path, own) == parsed_and_checked(own)
 
 
-def test_templates_of_the_same_length_are_told_apart():
-    """Keys of one length whose texts are as long but of other templates (a template is
-    guessed by those lengths, then checked): each is read with its own boxes."""
-    info = {key: [{"key": key, "local_shape": [1, 1], "global_shape": [2, 2],
-                   "global_offset": offset, "dtype": "int8"}]
-            for key, offset in [("u", [0, 1]), ("v", [1, 0]), ("w", [0, 1]), ("x", [1, 1]),
-                                ("y", [0, 0]), ("ab", [1, 0])]}
+def test_templates_that_end_alike_are_told_apart():
+    """Keys whose texts end alike (the last shard) but differ before it: a template is
+    guessed by a text's end, then checked, so each key is read with its own boxes."""
+    def shards(first: int) -> list[dict]:
+        return [{"key": key, "local_shape": [1], "global_shape": [3], "global_offset": [at],
+                 "dtype": "int8"} for at in (first, 2)]
+    info = {}
+    for key, first in [("u", 0), ("w", 1), ("x", 0), ("ab", 1), ("z", 0)]:
+        info[key] = shards(first)
     found = assert_read_as_parsed(json.dumps(info))
     assert found is not None
-    assert [shards[0].global_offset for shards in found.values()] == [
-        (0, 1), (1, 0), (0, 1), (1, 1), (0, 0), (1, 0)]
-    assert sharded_alike(found) == (list(info), [0, 1, 0, 2, 3, 1],
-                                    [found["u"], found["v"], found["x"], found["y"]])
+    assert [[shard.global_offset for shard in shards] for shards in found.values()] == [
+        [(0,), (2,)], [(1,), (2,)], [(0,), (2,)], [(1,), (2,)], [(0,), (2,)]]
+    assert sharded_alike(found) == (list(info), [0, 1, 0, 1, 0], [found["u"], found["w"]])
 
 
 def test_what_the_reader_knew_is_used_only_while_the_info_is_as_read():

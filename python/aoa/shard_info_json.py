@@ -45,6 +45,8 @@ _SHARD_OPENS, _KEY_CLOSES = '{"key": "', '", "local_shape": ['
 #: Up to this many templates are always parsed; more only where keys share them four to one
 #: or more (a template parsed here costs about what json.loads takes for two keys' text).
 _FEW_TEMPLATES = 64
+#: The end of a key's text by which its template is guessed.
+_GUESS_BY = slice(-64, None)
 #: A template's pieces (its key's text is the key joined with them) and its shards' boxes.
 _Template = tuple[list[str], list[ShardRow]]
 
@@ -62,13 +64,12 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
                                                 itertools.repeat('"'))))
     if len(set(keys)) != len(keys) or not _plain_keys(keys):
         return None
-    # A guess of each key's template by the lengths of its text and of its key, made of the
-    # first text of those lengths; the join below checks every guess, so a wrong one costs
-    # only the exact look (the key taken out of the text) that every key took before.
-    lengths = list(zip(map(len, entries), map(len, keys)))
-    first = dict(zip(reversed(lengths), range(len(keys) - 1, -1, -1)))
-    guessed = {found: entries[position].replace(keys[position], "")
-               for found, position in first.items()}
+    # A guess of each key's template: that of the last key whose text ends as its text does
+    # (in the last shard's boxes and dtype); the join below checks every guess, so a wrong
+    # one costs only the exact look (the key taken out of the text) every key took before.
+    ends = list(map(operator.getitem, entries, itertools.repeat(_GUESS_BY)))
+    guessed = {end: entries[position].replace(keys[position], "")
+               for end, position in dict(zip(ends, range(len(keys)))).items()}
     # parsed one by one here, more templates than this would cost more than json.loads
     most = max(_FEW_TEMPLATES, len(keys) // 4)
     bodies: dict[str, tuple[ShardRow, bool] | None] = {}
@@ -79,8 +80,8 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
     if len(parsed) > most:
         return None
     boxes = []
-    for key, entry, found_lengths in zip(keys, entries, lengths):
-        found = parsed[guessed[found_lengths]]
+    for key, entry, end in zip(keys, entries, ends):
+        found = parsed[guessed[end]]
         if found is None or key.join(found[0]) != entry:  # a wrong guess, or the key is
             template = entry.replace(key, "")  # elsewhere in its text too
             if template not in parsed:
