@@ -73,12 +73,10 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
     # parsed one by one here, more templates than this would cost more than json.loads
     most = max(_FEW_TEMPLATES, len(keys) // 4)
     bodies: dict[str, tuple[ShardRow, bool] | None] = {}
-    parsed: dict[str, _Template | None] = {}
-    for template in guessed.values():
-        if template not in parsed:
-            parsed[template] = _parse_list(template, "", bodies)
-    if len(parsed) > most:
-        return None
+    templates = dict.fromkeys(guessed.values())
+    if len(templates) > most:
+        return None  # (before parsing any)
+    parsed = {template: _parse_list(template, "", bodies) for template in templates}
     boxes = []
     for key, entry, end in zip(keys, entries, ends):
         found = parsed[guessed[end]]
