@@ -293,6 +293,22 @@ def test_keys_of_their_own_templates_are_left_to_parsing_and_read_right(tmp_path
     assert read_as_the_command_does(tmp_path, own) == parsed_and_checked(own)
 
 
+def test_templates_that_end_alike_are_told_apart():
+    """Keys whose texts end alike (the last shard) but differ before it: a template is
+    guessed by a text's end, then checked, so each key is read with its own boxes."""
+    def shards(first: int) -> list[dict]:
+        return [{"key": key, "local_shape": [1], "global_shape": [3], "global_offset": [at],
+                 "dtype": "int8"} for at in (first, 2)]
+    info = {}
+    for key, first in [("u", 0), ("w", 1), ("x", 0), ("ab", 1), ("z", 0)]:
+        info[key] = shards(first)
+    found = assert_read_as_parsed(json.dumps(info))
+    assert found is not None
+    assert [[shard.global_offset for shard in shards] for shards in found.values()] == [
+        [(0,), (2,)], [(1,), (2,)], [(0,), (2,)], [(1,), (2,)], [(0,), (2,)]]
+    assert sharded_alike(found) == (list(info), [0, 1, 0, 1, 0], [found["u"], found["w"]])
+
+
 def test_what_the_reader_knew_is_used_only_while_the_info_is_as_read():
     """Keys sharded alike, as the reader found them, stand in for a compile's own look only
     while the dict holds the very shards read: any change and the compile looks itself."""

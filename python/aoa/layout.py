@@ -90,19 +90,25 @@ class ShardDesc:
     def grouped_unchecked(cls, keys: Sequence[str], rows: Sequence[Sequence[ShardRow]]
                           ) -> ReadShardInfo:
         """{key: [`unchecked` of each of its rows]}, for descriptions checked in bulk
-        (shard-info JSON): `many_unchecked` of all the rows, cut into each key's list. Keys
-        given the same ``rows`` object are sharded alike, and the result says so."""
-        counts = list(map(len, rows))
-        flat = list(itertools.chain.from_iterable(rows))
-        shards = cls.many_unchecked(
-            itertools.chain.from_iterable(map(itertools.repeat, keys, counts)),
-            *zip(*flat)) if flat else []
-        ends = list(itertools.accumulate(counts))
+        (shard-info JSON): `many_unchecked`'s plain stores, each key's list filled as its
+        rows are read (no flat columns to build, transpose and cut again: a third less).
+        Keys given the same ``rows`` object are sharded alike, and the result says so."""
+        fields = _ShardFields
+        lists: list[list[ShardDesc]] = []
+        add_list = lists.append
+        for key, key_rows in zip(keys, rows):
+            shards: list[ShardDesc] = []
+            append = shards.append
+            for local_shape, global_shape, global_offset, dtype in key_rows:
+                shard = fields()
+                shard.key, shard.local_shape, shard.global_shape = key, local_shape, global_shape
+                shard.global_offset, shard.dtype = global_offset, dtype
+                shard.__class__ = cls
+                append(shard)
+            add_list(shards)
         first: dict[int, int] = {}  # id of a rows object (all alive here) -> its first key
-        return ReadShardInfo.made(
-            keys, list(map(shards.__getitem__, map(slice, map(operator.sub, ends, counts),
-                                                   ends))),
-            list(map(first.setdefault, map(id, rows), itertools.count())), shards)
+        return ReadShardInfo.made(keys, lists,
+                                  list(map(first.setdefault, map(id, rows), itertools.count())))
 
     @property
     def numel(self) -> int:

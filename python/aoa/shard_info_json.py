@@ -45,6 +45,8 @@ _SHARD_OPENS, _KEY_CLOSES = '{"key": "', '", "local_shape": ['
 #: Up to this many templates are always parsed; more only where keys share them four to one
 #: or more (a template parsed here costs about what json.loads takes for two keys' text).
 _FEW_TEMPLATES = 64
+#: The end of a key's text by which its template is guessed.
+_GUESS_BY = slice(-64, None)
 #: A template's pieces (its key's text is the key joined with them) and its shards' boxes.
 _Template = tuple[list[str], list[ShardRow]]
 
@@ -62,19 +64,33 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
                                                 itertools.repeat('"'))))
     if len(set(keys)) != len(keys) or not _plain_keys(keys):
         return None
-    templates = list(map(str.replace, entries, keys, itertools.repeat("")))
-    distinct = dict.fromkeys(templates)
-    if len(distinct) > _FEW_TEMPLATES and len(distinct) * 4 > len(keys):
-        return None  # parsed one by one here, they would cost more than json.loads
+    # A guess of each key's template: that of the last key whose text ends as its text does
+    # (in the last shard's boxes and dtype); the join below checks every guess, so a wrong
+    # one costs only the exact look (the key taken out of the text) every key took before.
+    ends = list(map(operator.getitem, entries, itertools.repeat(_GUESS_BY)))
+    guessed = {end: entries[position].replace(keys[position], "")
+               for end, position in dict(zip(ends, range(len(keys)))).items()}
+    # parsed one by one here, more templates than this would cost more than json.loads
+    most = max(_FEW_TEMPLATES, len(keys) // 4)
     bodies: dict[str, tuple[ShardRow, bool] | None] = {}
-    parsed = {template: _parse_list(template, "", bodies) for template in distinct}
+    templates = dict.fromkeys(guessed.values())
+    if len(templates) > most:
+        return None  # (before parsing any)
+    parsed = {template: _parse_list(template, "", bodies) for template in templates}
     boxes = []
-    for key, entry, template in zip(keys, entries, templates):
-        found = parsed[template]
-        if found is None or key.join(found[0]) != entry:  # the key is elsewhere in its text
-            found = _parse_list(entry, key, bodies)
-            if found is None:
-                return None
+    for key, entry, end in zip(keys, entries, ends):
+        found = parsed[guessed[end]]
+        if found is None or key.join(found[0]) != entry:  # a wrong guess, or the key is
+            template = entry.replace(key, "")  # elsewhere in its text too
+            if template not in parsed:
+                parsed[template] = _parse_list(template, "", bodies)
+                if len(parsed) > most:
+                    return None
+            found = parsed[template]
+            if found is None or key.join(found[0]) != entry:
+                found = _parse_list(entry, key, bodies)
+                if found is None:
+                    return None
         boxes.append(found[1])
     return ShardDesc.grouped_unchecked(keys, boxes)
 

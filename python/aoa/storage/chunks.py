@@ -124,7 +124,11 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
         shard_offsets, map(dtypes.__getitem__, chosen))
     made_ends = list(itertools.accumulate(made))
     by_key = list(map(shards.__getitem__, map(slice, [0, *made_ends[:-1]], made_ends)))
-    located = dict(zip(zip(shard_keys, shard_offsets), map(locations.__getitem__, chosen)))
+    # (where each row is its own location, as a folder's rows are, the chosen rows are theirs:
+    # no new int per shard to look up)
+    rows_located = type(locations) is range and locations == range(len(keys))
+    located = dict(zip(zip(shard_keys, shard_offsets),
+                       chosen if rows_located else map(locations.__getitem__, chosen)))
     first_of_way: dict[tuple[int, ...], int] = {}  # keys stored alike are sharded alike
     alike = list(map(first_of_way.setdefault, ways, itertools.count()))
     for position, found in closely.items():
