@@ -82,12 +82,21 @@ class DcpSafetensorsDestination(Destination):
         self._alike = (keys, shapes, dtypes, entries)
         return entries
 
+    #: the last rank's keys and each one's `_escaped_key_texts` text
+    _escaped_alike: tuple[list[str], list[str]] | None = None
+
     def _metadata_json(self, shards: list[ShardDesc], keys: list[str]) -> str:
         """The file's metadata as ``json.dumps`` writes it (compact, not ASCII-escaped):
         `sharding_info` as a JSON string, put together from pieces escaped beforehand (each
-        key's once for all the files) rather than escaped in a pass over the whole text."""
-        parts = _sharding_parts(shards, list(map(self._escaped_key_texts.__getitem__, keys)),
-                                '\\"')
+        key's once for all the files, and the list of them again for a rank holding the last
+        one's keys) rather than escaped in a pass over the whole text."""
+        alike = self._escaped_alike
+        if alike is not None and alike[0] == keys:
+            texts = alike[1]
+        else:
+            texts = list(map(self._escaped_key_texts.__getitem__, keys))
+            self._escaped_alike = (keys, texts)
+        parts = _sharding_parts(shards, texts, '\\"')
         return "".join((f'{{"{SHARDING_KEY}":"{{', *parts, '}",',
                         json.dumps(_DCP_VERSION, separators=(",", ":"))[1:]))
 
@@ -130,14 +139,28 @@ def _sharding_parts(shards: Sequence[ShardDesc], key_texts: Sequence[str], quote
     value, a quote written as ``quote`` (``\\"`` inside a JSON string, where ``key_texts``
     are escaped alike)."""
     offsets = list(map(_GLOBAL_OFFSET, shards))
-    value = {offset: f': {{{quote}{OFFSETS_KEY}{quote}: [{", ".join(map(str, offset))}]}}, '
-             for offset in set(offsets)}
     parts = [""] * (2 * len(offsets))
     parts[0::2] = key_texts
-    parts[1::2] = map(value.__getitem__, offsets)
+    parts[1::2] = map(_OffsetTexts(quote).__getitem__, offsets)
     if parts:
         parts[-1] = parts[-1][:-2]  # no ", " after the last
     return parts
+
+
+class _OffsetTexts(dict[tuple[int, ...], str]):
+    """Each global offset's value in `sharding_info`, made when first asked for: a rank's
+    shards have a few offsets (61x256 to TP4: 2-4), found in the one pass that looks them
+    up."""
+
+    def __init__(self, quote: str) -> None:
+        super().__init__()
+        self._quote = quote
+
+    def __missing__(self, offset: tuple[int, ...]) -> str:
+        quote = self._quote
+        text = self[offset] = (f': {{{quote}{OFFSETS_KEY}{quote}: '
+                               f'[{", ".join(map(str, offset))}]}}, ')
+        return text
 
 
 _KEY = operator.attrgetter("key")
