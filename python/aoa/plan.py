@@ -13,6 +13,7 @@ import bisect
 import io
 import itertools
 import json
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, overload
@@ -110,6 +111,8 @@ KeyedCopy = tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...],
                   "tuple[int, ...] | None", "tuple[str, ...]"]
 
 _new_tuple = tuple.__new__
+#: a `CopyTable` block's copies
+_COPIES = operator.itemgetter(1)
 
 
 class CopyTable(Sequence[PlannedCopy]):
@@ -160,7 +163,7 @@ class CopyTable(Sequence[PlannedCopy]):
         if not 0 <= index < self._length:
             raise IndexError("copy index out of range")
         if len(self._ends) != len(self._blocks):
-            self._ends = list(itertools.accumulate(len(b[1]) for b in self._blocks))
+            self._ends = list(itertools.accumulate(map(len, map(_COPIES, self._blocks))))
         block = bisect.bisect_right(self._ends, index)
         first, copies, sources = self._blocks[block]
         k, read, d, shape, s, order, casts = copies[index - (self._ends[block]

@@ -10,7 +10,6 @@ folder reader (`aoa.storage.safetensors_folder`).
 
 from __future__ import annotations
 
-import functools
 import json
 import json.encoder
 import operator
@@ -76,42 +75,56 @@ class DcpSafetensorsDestination(Destination):
             return alike[3]
         # keys below DEL read the same ASCII-escaped or not: the header takes their texts
         joined = "".join(keys)
-        texts = (list(map(self._key_texts.__getitem__, keys))
-                 if joined.isascii() and "\x7f" not in joined else None)
+        texts = (self._key_texts(keys) if joined.isascii() and "\x7f" not in joined
+                 else None)
         entries = header_entries(path, shards, keys, texts)
         self._alike = (keys, shapes, dtypes, entries)
         return entries
 
     def _metadata_json(self, shards: list[ShardDesc], keys: list[str]) -> str:
         """The file's metadata as ``json.dumps`` writes it (compact, not ASCII-escaped):
-        `sharding_info` as a JSON string, put together from pieces escaped beforehand (each
-        key's once for all the files) rather than escaped in a pass over the whole text."""
-        parts = _sharding_parts(shards, list(map(self._escaped_key_texts.__getitem__, keys)),
-                                '\\"')
+        `sharding_info` as a JSON string, put together from pieces escaped beforehand (the
+        keys' texts, escaped once for ranks holding the same keys) rather than escaped in a
+        pass over the whole text."""
+        parts = _sharding_parts(shards, self._escaped_key_texts(keys), '\\"')
         return "".join((f'{{"{SHARDING_KEY}":"{{', *parts, '}",',
                         json.dumps(_DCP_VERSION, separators=(",", ":"))[1:]))
 
-    @functools.cached_property
-    def _key_texts(self) -> dict[str, str]:
-        """Each key as ``json.dumps`` writes it (ASCII-escaped), made once for all the files:
-        the ranks' files hold the same keys (61x256 to TP4: 31k keys in 125k shards)."""
-        keys = list(dict.fromkeys(map(_KEY, self.shards)))
+    #: the keys `_key_texts` and `_escaped_key_texts` last made texts of, and those texts
+    _texts_alike: tuple[list[str], list[str]] | None = None
+    _escaped_alike: tuple[list[str], list[str]] | None = None
+
+    def _key_texts(self, keys: list[str]) -> list[str]:
+        """Each key as ``json.dumps`` writes it (ASCII-escaped), made again only for a rank
+        holding other keys than the last one (61x256 to TP4: two of four ranks), and only
+        for its keys (31k, not the 125k shards of all the ranks)."""
+        alike = self._texts_alike
+        if alike is not None and alike[0] == keys:
+            return alike[1]
         joined = "".join(keys)
-        if joined.isascii() and not joined.encode().translate(None, _PLAIN_JSON):
+        if not keys:
+            texts = []
+        elif joined.isascii() and not joined.encode().translate(None, _PLAIN_JSON):
             # each reads as itself between quotes: one join and one split (no key holds a
             # newline), not an encoder call per key
-            return dict(zip(keys, ('"' + '"\n"'.join(keys) + '"').split("\n")))
-        return dict(zip(keys, map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
-                                  keys)))
+            texts = ('"' + '"\n"'.join(keys) + '"').split("\n")
+        else:
+            texts = list(map(json.encoder.encode_basestring_ascii,  # type: ignore[attr-defined]
+                             keys))
+        self._texts_alike = (keys, texts)
+        return texts
 
-    @functools.cached_property
-    def _escaped_key_texts(self) -> dict[str, str]:
+    def _escaped_key_texts(self, keys: list[str]) -> list[str]:
         """Each key's `_key_texts` escaped as it reads inside a JSON string (quotes and
         backslashes; an ASCII-escaped text holds nothing else to escape, and no newline: one
-        join, two replaces and a split for them all)."""
-        texts = self._key_texts
-        escaped = "\n".join(texts.values()).replace("\\", "\\\\").replace('"', '\\"')
-        return dict(zip(texts, escaped.split("\n")))
+        join, two replaces and a split for them all), made again only for other keys."""
+        alike = self._escaped_alike
+        if alike is not None and alike[0] == keys:
+            return alike[1]
+        escaped = ("\n".join(self._key_texts(keys)).replace("\\", "\\\\")
+                   .replace('"', '\\"').split("\n") if keys else [])
+        self._escaped_alike = (keys, escaped)
+        return escaped
 
 
 def sharding_info(shards: Sequence[ShardDesc]) -> str:
@@ -130,14 +143,28 @@ def _sharding_parts(shards: Sequence[ShardDesc], key_texts: Sequence[str], quote
     value, a quote written as ``quote`` (``\\"`` inside a JSON string, where ``key_texts``
     are escaped alike)."""
     offsets = list(map(_GLOBAL_OFFSET, shards))
-    value = {offset: f': {{{quote}{OFFSETS_KEY}{quote}: [{", ".join(map(str, offset))}]}}, '
-             for offset in set(offsets)}
     parts = [""] * (2 * len(offsets))
     parts[0::2] = key_texts
-    parts[1::2] = map(value.__getitem__, offsets)
+    parts[1::2] = map(_OffsetTexts(quote).__getitem__, offsets)
     if parts:
         parts[-1] = parts[-1][:-2]  # no ", " after the last
     return parts
+
+
+class _OffsetTexts(dict[tuple[int, ...], str]):
+    """Each global offset's value in `sharding_info`, made when first asked for: a rank's
+    shards have a few offsets (61x256 to TP4: 2-4), found in the one pass that looks them
+    up."""
+
+    def __init__(self, quote: str) -> None:
+        super().__init__()
+        self._quote = quote
+
+    def __missing__(self, offset: tuple[int, ...]) -> str:
+        quote = self._quote
+        text = self[offset] = (f': {{{quote}{OFFSETS_KEY}{quote}: '
+                               f'[{", ".join(map(str, offset))}]}}, ')
+        return text
 
 
 _KEY = operator.attrgetter("key")
