@@ -138,11 +138,18 @@ def memcpy(nbytes: int, touched: bool) -> float:
     return time.perf_counter() - start
 
 
-#: Run in the child: the CLI as the `aoa` script runs it, then its peak RSS (VmHWM of its own
-#: image: a forked child's getrusage would count this process's buffers too).
-CHILD = ("import sys; from aoa.cli import main; code = main(sys.argv[1:]); "
-         "print(next(l.split()[1] for l in open('/proc/self/status') "
-         "if l.startswith('VmHWM'))); sys.exit(code)")
+#: Run in the child: the CLI as the `aoa` script runs it (`aoa.cli.run`: its environment,
+#: collector and exit), its `main` followed by printing its peak RSS (VmHWM of its own image:
+#: a forked child's getrusage would count this process's buffers too).
+CHILD = ("import aoa.cli as cli\n"
+         "main = cli.main\n"
+         "def measured():\n"
+         "    code = main()\n"
+         "    print(next(l.split()[1] for l in open('/proc/self/status')\n"
+         "               if l.startswith('VmHWM')))\n"
+         "    return code\n"
+         "cli.main = measured\n"
+         "cli.run()\n")
 
 
 def run_command(work: Path, source: Path, output: Path, threads: int | None,
