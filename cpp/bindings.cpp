@@ -1,4 +1,4 @@
-// aoa._core: the copy kernel for Python. Converts the arguments, releases the GIL, runs
+// aoa._core: the copy kernel for Python (and records.cpp's bulk records). Converts the arguments, releases the GIL, runs
 // the loops; the table format and every check live in copy_kernel.cpp.
 #include <pybind11/pybind11.h>
 
@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "copy_kernel.hpp"
+#include "records.hpp"
 
 namespace py = pybind11;
 
@@ -153,4 +154,5 @@ PYBIND11_MODULE(_core, m) {
         "offset, bytes: those ranges of them; `source_windows` likewise for the sources), on\n"
         "up to `threads` threads, the GIL released.\n"
         "Raises CopyError (a ValueError) naming the copy before any byte moves.");
+  aoa::register_records(m);
 }

@@ -1,6 +1,7 @@
-"""The aoa copy kernel (cpp/bindings.cpp): strided region copies with fused casts."""
+"""The aoa copy kernel (cpp/bindings.cpp): strided region copies with fused casts; and
+records made in bulk (cpp/records.cpp)."""
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 #: dtype name (Paddle's) -> the code the copy table uses for it (enum aoa::Dtype)
@@ -23,3 +24,14 @@ def execute_copies(table: Any, sources: Sequence[Any], destinations: Sequence[An
     same for the sources), on up to ``threads`` threads, the GIL released. Raises
     CopyError naming the copy before any byte moves, BusError where a buffer's memory
     vanished under the copies."""
+
+def new_records(cls: type[Any], fields: tuple[str, ...], columns: Sequence[Iterable[Any]]
+                ) -> list[Any]:
+    """Objects of the slotted class ``cls``, one per row of ``columns`` (iterables of one
+    length, one per name in ``fields``), each field set through its slot: the class is not
+    called, so nothing is checked (for rows checked in bulk)."""
+
+def new_record_groups(cls: type[Any], fields: tuple[str, ...], heads: Sequence[Any],
+                      rows: Sequence[Sequence[tuple[Any, ...]]]) -> list[list[Any]]:
+    """``[[cls(heads[i], *row) for row in rows[i]] for each i]``, made as `new_records`
+    makes them (the class not called): rows are tuples of the fields after the first."""
