@@ -46,8 +46,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
-
 from aoa.errors import UsageError, quote
 from aoa.inputs import read_text
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
@@ -222,6 +220,8 @@ class MeshLayout:
 
 
 def read_mesh_layout(path: str | Path) -> MeshLayout:
+    import tomllib  # here: every `aoa convert` imports this module, few read a layout
+
     path = Path(path)
     try:
         data = tomllib.loads(read_text(path, "layout"))

@@ -15,7 +15,6 @@ file and the index once every marker is there. Ranks need not run at the same ti
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -205,6 +204,8 @@ def _fingerprint(conversion: Conversion) -> str:
     """Names this conversion: the plan, the files, and the source files as they are now.
     Files staged by an earlier run of the very same conversion have the same bytes, so its
     ranks may share the folder and rank 0 may trust their markers."""
+    import hashlib  # here: loading OpenSSL costs every `aoa convert` 3-15 ms otherwise
+
     digest = hashlib.sha256(conversion.plan.dumps().encode())
     digest.update(json.dumps([[f.filename, f.shards] for f in conversion.files]).encode())
     for path in conversion.job.source.files():
