@@ -34,6 +34,11 @@ _ENTRY = re.compile(r'"([^"]*)":\{"dtype":"([^"]*)","shape":\[([0-9,]*)\],'
                     r'"data_offsets":\[(0|[1-9][0-9]*),(0|[1-9][0-9]*)\]\}')
 #: One entry of sharding info (`, ` between two); groups: name, offsets.
 _SAVED = re.compile(r'"([^"]*)": \{"saved_offsets": \[([0-9, ]*)\]\}')
+#: What comes between a key of sharding info and its offsets, and between entries.
+_SAVED_OPENS = '": {"saved_offsets": ['
+_SAVED_NEXT = ']}, "'
+#: Saved offsets as `json.dumps` writes them (checked number by number after the match).
+_BRACKETED = re.compile(r"\[([0-9, ]*)\]")
 _CONTROL_BYTES = bytes(range(0x20))
 #: The header's last characters, where its padding is looked for: JSON allows any amount of
 #: whitespace there, writers pad to 8 bytes (more whitespace goes to the JSON parser).
@@ -95,11 +100,15 @@ def read_saved_offsets(text: str, names: Sequence[str] = ()
     be checked to be distinct again."""
     if not (text.startswith('{"') and text.endswith("]}}")) or "\\" in text:
         return None
-    cut = _SAVED.split(text[1:-1])  # [between, key, offsets, between, ...]
-    keys, offsets = cut[1::3], cut[2::3]
-    if not keys or not _apart(cut[::3], ", ") or not _plain(keys) or (
-            keys != names and len(set(keys)) != len(keys)):
-        return None
+    listed = _offsets_of_names(text, names)
+    if listed is not None:
+        keys, offsets = list(names), listed
+    else:
+        cut = _SAVED.split(text[1:-1])  # [between, key, offsets, between, ...]
+        keys, offsets = cut[1::3], cut[2::3]
+        if not keys or not _apart(cut[::3], ", ") or not _plain(keys) or (
+                keys != names and len(set(keys)) != len(keys)):
+            return None
     try:
         boxes = {box: tuple(map(int, box.split(", "))) if box else ()
                  for box in dict.fromkeys(offsets)}
@@ -108,6 +117,26 @@ def read_saved_offsets(text: str, names: Sequence[str] = ()
     if not all(map(_as_written, boxes.values(), boxes, itertools.repeat(", "))):
         return None  # a leading zero, or other spacing
     return keys, list(map(boxes.__getitem__, offsets))
+
+
+def _offsets_of_names(text: str, names: Sequence[str]) -> list[str] | None:
+    """The texts of the saved offsets of sharding info ``text`` (its outer form checked),
+    if it lists exactly ``names`` (distinct), in their order; else None. The offsets are
+    found by their brackets on their own (a name holding brackets upsets the count), then
+    the text is put together again from the names and those offsets and compared: less
+    work than cutting every key out of the text and comparing the keys with the names."""
+    count = len(names)
+    offsets = _BRACKETED.findall(text) if count else []
+    if not count or len(offsets) != count:
+        return None
+    parts: list[str] = ["", _SAVED_OPENS, "", _SAVED_NEXT] * count
+    parts[::4] = names
+    parts[2::4] = offsets
+    parts[-1] = "]}}"
+    # a name holding a quote would stand for other keys: each entry has its 4 quotes only
+    if '{"' + "".join(parts) != text or text.count('"') != 4 * count or not _plain(names):
+        return None
+    return offsets
 
 
 def _metadata(text: str) -> tuple[int | None, dict[str, str]]:
@@ -129,7 +158,7 @@ def _metadata(text: str) -> tuple[int | None, dict[str, str]]:
     return end + 1, metadata
 
 
-def _plain(names: list[str]) -> bool:
+def _plain(names: Sequence[str]) -> bool:
     """Names with no control character (JSON refuses them raw; the text has no escape).
     In UTF-8 no byte of a longer character is one: dropping them from the bytes is a
     tight C loop, several times quicker than `str.isprintable` on a megabyte of names."""
