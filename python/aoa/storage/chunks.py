@@ -167,8 +167,8 @@ def _ways_and_cuts(shapes: Sequence[tuple[int, ...]], offsets: Sequence[tuple[in
         boxes = list(map(boxes.__getitem__, rows))
     if len(set(counts)) == 1:  # as many rows each (one per file): a column per file
         ways = list(zip(*(boxes[n::counts[0]] for n in range(counts[0]))))
-    else:
-        ways = list(map(tuple, map(boxes.__getitem__, map(slice, starts, ends))))
+    else:  # (slices of a tuple are tuples: no list made per key)
+        ways = list(map(tuple(boxes).__getitem__, map(slice, starts, ends)))
     first_of_way: dict[tuple[int, ...], int] = {}
     alike = list(map(first_of_way.setdefault, ways, itertools.count()))
     box_of = {number: _BoxChunk(*box) for box, number in numbers.items()}

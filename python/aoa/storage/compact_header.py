@@ -140,8 +140,8 @@ def _offsets_of_names(text: str, names: Sequence[str]) -> list[str] | None:
     parts[::4] = names
     parts[2::4] = offsets
     parts[-1] = "]}}"
-    # a name holding a quote would stand for other keys: each entry has its 4 quotes only
-    if '{"' + "".join(parts) != text or text.count('"') != 4 * count or not _plain(names):
+    # (a name holding a quote would stand for other keys)
+    if '{"' + "".join(parts) != text or not _plain(names, '"'):
         return None
     return offsets
 
@@ -165,12 +165,17 @@ def _metadata(text: str) -> tuple[int | None, dict[str, str]]:
     return end + 1, metadata
 
 
-def _plain(names: Sequence[str]) -> bool:
-    """Names with no control character (JSON refuses them raw; the text has no escape).
-    In UTF-8 no byte of a longer character is one: dropping them from the bytes is a
-    tight C loop, several times quicker than `str.isprintable` on a megabyte of names."""
-    joined = "".join(names).encode("utf-8", "surrogatepass")
-    return len(joined.translate(None, _CONTROL_BYTES)) == len(joined)
+def _plain(names: Sequence[str], unquoted: str = "") -> bool:
+    """Names with no control character (JSON refuses them raw; the text has no escape),
+    and with no ``unquoted`` where given (a quote: a text put together from the names would
+    read as other keys). In UTF-8 no byte of a longer character is one: dropping them from
+    the bytes is a tight C loop, several times quicker than `str.isprintable` on a megabyte
+    of names."""
+    joined = "".join(names)
+    if unquoted and unquoted in joined:
+        return False
+    encoded = joined.encode("utf-8", "surrogatepass")
+    return len(encoded.translate(None, _CONTROL_BYTES)) == len(encoded)
 
 
 def _as_written(box: tuple[int, ...], text: str, separator: str = ",") -> bool:
