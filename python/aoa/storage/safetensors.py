@@ -303,12 +303,15 @@ def _in_byte_order(metadata: dict[str, str], names: list[str], codes: Sequence[s
     else:
         needed = list(map(operator.mul, map(elements.__getitem__, shapes),
                           map(_ITEMSIZE_OF_CODE.__getitem__, codes)))
-    if list(map(operator.sub, ends, begins)) != needed or max(ends, default=0) > data_bytes:
+    back_to_back = begins == [0, *ends[:-1]]  # as writers list them
+    # each range holds its shape: back to back, where each ends at the sum of those so far
+    if (ends != list(itertools.accumulate(needed)) if back_to_back else
+            list(map(operator.sub, ends, begins)) != needed) or max(ends, default=0) > data_bytes:
         return None
     if 0 in needed and any(shape_problem(shape, _ITEMSIZE_OF_CODE[code]) is not None
                            for shape, code, nbytes in zip(shapes, codes, needed) if not nbytes):
         return None  # holding nothing, a shape may still count past int64 (see shape_problem)
-    if begins != [0, *ends[:-1]]:  # not listed back to back: put in order of their bytes
+    if not back_to_back:  # put in order of their bytes
         order = sorted(range(len(names)), key=list(zip(begins, ends)).__getitem__)
         names, codes, shapes, begins, ends, needed = (
             _taken(column, order) for column in (names, codes, shapes, begins, ends, needed))
