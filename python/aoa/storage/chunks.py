@@ -111,8 +111,8 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
         closely = {position: _checked_closely(names[position], _chunks_of(
             columns, rows[starts[position]:ends[position]]), None)
             for position, first_alike in enumerate(alike) if cuts[first_alike] is None}
-    made = list(map({first_alike: len(cut[0]) if cut else 0
-                     for first_alike, cut in cuts.items()}.__getitem__, alike))  # each key's
+    made = list(map({first_alike: len(cut[0]) if cut else 0  # shards of each key
+                     for first_alike, cut in cuts.items()}.__getitem__, alike))
     chosen = _chosen_rows(alike, cuts, counts, rows, starts, made)
     shard_keys = list(map(keys.__getitem__, chosen))
     shard_offsets = list(map(offsets.__getitem__, chosen))
