@@ -130,6 +130,36 @@ def test_sharding_info_listing_the_header_names_reads_the_same() -> None:
     assert read_saved_offsets(twice, ["a", "b"]) is None
 
 
+@pytest.mark.parametrize("names", [
+    ["a", "b"], ["b", "a"],  # the header's order, or another
+    ["a[0]", "b"], ["a[x]", "b"], ["a, b", "c"], ["ü", "b"],  # brackets, commas, non-ASCII
+])
+def test_sharding_info_read_by_the_header_names_reads_as_the_parser_reads_it(
+        names: list[str]) -> None:
+    info = {name: {"saved_offsets": [offset, 64]} for offset, name in enumerate(names)}
+    text = json.dumps(info, ensure_ascii=False)
+    keys, saved = read_saved_offsets(text, names)  # type: ignore[misc]
+    assert keys == names and dict(zip(keys, map(list, saved))) == {
+        key: entry["saved_offsets"] for key, entry in info.items()}
+    assert read_saved_offsets(text, sorted(names, reverse=True)) == (keys, saved)
+
+
+@pytest.mark.parametrize("text, names", [
+    # a name holding quotes would stand for other keys (the parser finds "k" and "z")
+    ('{"k": 1, "z": {"saved_offsets": [0]}}', ['k": 1, "z']),
+    ('{"a": {"saved_offsets": [0]}, "b": {"saved_offsets": [0]}}',
+     ['a": {"saved_offsets": [0]}, "b']),
+    ('{"a\x01": {"saved_offsets": [0]}}', ["a\x01"]),  # a control character
+    ('{"a": {"saved_offsets": [0]}, "b": {"saved_offsets": [0]}}', ["a"]),  # more keys
+    ('{"a": {"saved_offsets": [0]}}', ["a", "b"]),  # fewer
+    ('{"a": {"saved_offsets": [0,1]}}', ["a"]),  # other spacing
+    ('{"a": {"saved_offsets": [01]}}', ["a"]),  # a leading zero
+])
+def test_sharding_info_not_listing_the_header_names_as_written_reads_as_without_them(
+        text: str, names: list[str]) -> None:
+    assert read_saved_offsets(text, names) == read_saved_offsets(text)
+
+
 @pytest.mark.parametrize("text", [
     '{"a": {"saved_offsets": [0, 1]}, "a": {"saved_offsets": [0, 2]}}',  # a key twice
     '{"a": {"saved_offsets": [0,1]}}',  # other spacing

@@ -105,21 +105,21 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
     counts = list(collections.Counter(firsts).values())
     ends = list(itertools.accumulate(counts))
     starts = [0, *ends[:-1]]
-    ways, cuts = _ways_and_cuts(shapes, offsets, dtypes, rows, counts, starts, ends)
+    alike, cuts = _ways_and_cuts(shapes, offsets, dtypes, rows, counts, starts, ends)
     closely = {}  # the keys the test doubts, checked in full (in order: the first at fault raises)
     if None in cuts.values():
         closely = {position: _checked_closely(names[position], _chunks_of(
             columns, rows[starts[position]:ends[position]]), None)
-            for position, way in enumerate(ways) if cuts[way] is None}
-    made = list(map({way: len(cut[0]) if cut else 0 for way, cut in cuts.items()}.__getitem__,
-                    ways))  # shards of each key
-    chosen = _chosen_rows(ways, cuts, rows, starts, made)
+            for position, first_alike in enumerate(alike) if cuts[first_alike] is None}
+    made = list(map({first_alike: len(cut[0]) if cut else 0  # shards of each key
+                     for first_alike, cut in cuts.items()}.__getitem__, alike))
+    chosen = _chosen_rows(alike, cuts, counts, rows, starts, made)
     shard_keys = list(map(keys.__getitem__, chosen))
     shard_offsets = list(map(offsets.__getitem__, chosen))
-    shape_of = {way: cut[1] if cut else () for way, cut in cuts.items()}
+    shape_of = {first_alike: cut[1] if cut else () for first_alike, cut in cuts.items()}
     shards = ShardDesc.many_unchecked(
         shard_keys, map(shapes.__getitem__, chosen),
-        itertools.chain.from_iterable(map(itertools.repeat, map(shape_of.__getitem__, ways),
+        itertools.chain.from_iterable(map(itertools.repeat, map(shape_of.__getitem__, alike),
                                           made)),
         shard_offsets, map(dtypes.__getitem__, chosen))
     made_ends = list(itertools.accumulate(made))
@@ -129,8 +129,6 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
     rows_located = type(locations) is range and locations == range(len(keys))
     located = dict(zip(zip(shard_keys, shard_offsets),
                        chosen if rows_located else map(locations.__getitem__, chosen)))
-    first_of_way: dict[tuple[int, ...], int] = {}  # keys stored alike are sharded alike
-    alike = list(map(first_of_way.setdefault, ways, itertools.count()))
     for position, found in closely.items():
         by_key[position] = [shard for shard, _ in found]
         alike[position] = position  # made by the full checks: alike no other, for all we know
@@ -143,35 +141,39 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
 _Cut = tuple[list[int], tuple[int, ...]]
 
 
-def _chosen_rows(ways: list[tuple[int, ...]], cuts: dict[tuple[int, ...], _Cut | None],
+def _chosen_rows(alike: list[int], cuts: dict[int, _Cut | None], counts: list[int],
                  rows: Sequence[int], starts: list[int], made: list[int]) -> Sequence[int]:
     """The row of each shard made: each key's distinct chunks, sorted by global offset (as
     its way's cut says; none for a key whose way has no cut)."""
-    if all(cut and cut[0] == list(range(len(way))) for way, cut in cuts.items()):
+    if all(cut and cut[0] == list(range(counts[first_alike]))
+           for first_alike, cut in cuts.items()):
         return rows  # no replicas, each key's chunks in order: every row
-    positions = {way: cut[0] if cut else [] for way, cut in cuts.items()}
+    positions = {first_alike: cut[0] if cut else [] for first_alike, cut in cuts.items()}
     return list(map(rows.__getitem__, map(
-        operator.add, itertools.chain.from_iterable(map(positions.__getitem__, ways)),
+        operator.add, itertools.chain.from_iterable(map(positions.__getitem__, alike)),
         itertools.chain.from_iterable(map(itertools.repeat, starts, made)))))
 
 
 def _ways_and_cuts(shapes: Sequence[tuple[int, ...]], offsets: Sequence[tuple[int, ...]],
                    dtypes: Sequence[str], rows: Sequence[int], counts: list[int],
                    starts: list[int], ends: list[int]
-                   ) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], _Cut | None]]:
-    """How each key is stored (its way: a number per box and dtype of its rows, in order;
-    keys stored alike have the same way), and `_cut_along_one_axis` of each way."""
+                   ) -> tuple[list[int], dict[int, _Cut | None]]:
+    """How each key is stored, as the position of the first key stored alike (the same
+    boxes and dtypes, in order), and `_cut_along_one_axis` of each such first key's chunks.
+    (A way, a tuple per key, is hashed once here: the callers look up ints.)"""
     numbers: dict[tuple, int] = {}  # box and dtype -> the first row holding them
     boxes = list(map(numbers.setdefault, zip(offsets, shapes, dtypes), itertools.count()))
     if not isinstance(rows, range):
         boxes = list(map(boxes.__getitem__, rows))
     if len(set(counts)) == 1:  # as many rows each (one per file): a column per file
         ways = list(zip(*(boxes[n::counts[0]] for n in range(counts[0]))))
-    else:
-        ways = list(map(tuple, map(boxes.__getitem__, map(slice, starts, ends))))
+    else:  # (slices of a tuple are tuples: no list made per key)
+        ways = list(map(tuple(boxes).__getitem__, map(slice, starts, ends)))
+    first_of_way: dict[tuple[int, ...], int] = {}
+    alike = list(map(first_of_way.setdefault, ways, itertools.count()))
     box_of = {number: _BoxChunk(*box) for box, number in numbers.items()}
-    return ways, {way: _cut_along_one_axis(list(map(box_of.__getitem__, way)), None)
-                  for way in dict.fromkeys(ways)}
+    return alike, {first_alike: _cut_along_one_axis(list(map(box_of.__getitem__, way)), None)
+                   for way, first_alike in first_of_way.items()}
 
 
 class _BoxChunk(NamedTuple):

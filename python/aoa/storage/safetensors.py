@@ -294,15 +294,24 @@ def _in_byte_order(metadata: dict[str, str], names: list[str], codes: Sequence[s
     entry's range holds its shape and the ranges tile the data back to back; None at the
     first doubt."""
     kinds = set(codes)
-    sizes = ([_ITEMSIZE_OF_CODE[next(iter(kinds))]] * len(codes) if len(kinds) == 1 else
-             list(map(_ITEMSIZE_OF_CODE.__getitem__, codes)))  # (one dtype: one look-up)
-    needed = list(map(operator.mul, map(math.prod, shapes), sizes))
-    if list(map(operator.sub, ends, begins)) != needed or max(ends, default=0) > data_bytes:
+    # each distinct shape's element count once (a header's 30k shapes are a few dozen)
+    elements = {shape: math.prod(shape) for shape in dict.fromkeys(shapes)}
+    if len(kinds) == 1:  # (one dtype: its size in the counts)
+        size = _ITEMSIZE_OF_CODE[next(iter(kinds))]
+        sized = {shape: count * size for shape, count in elements.items()}
+        needed = list(map(sized.__getitem__, shapes))
+    else:
+        needed = list(map(operator.mul, map(elements.__getitem__, shapes),
+                          map(_ITEMSIZE_OF_CODE.__getitem__, codes)))
+    back_to_back = begins == [0, *ends[:-1]]  # as writers list them
+    # each range holds its shape: back to back, where each ends at the sum of those so far
+    if (ends != list(itertools.accumulate(needed)) if back_to_back else
+            list(map(operator.sub, ends, begins)) != needed) or max(ends, default=0) > data_bytes:
         return None
-    if 0 in needed and any(shape_problem(shape, size) is not None
-                           for shape, size, nbytes in zip(shapes, sizes, needed) if not nbytes):
+    if 0 in needed and any(shape_problem(shape, _ITEMSIZE_OF_CODE[code]) is not None
+                           for shape, code, nbytes in zip(shapes, codes, needed) if not nbytes):
         return None  # holding nothing, a shape may still count past int64 (see shape_problem)
-    if begins != [0, *ends[:-1]]:  # not listed back to back: put in order of their bytes
+    if not back_to_back:  # put in order of their bytes
         order = sorted(range(len(names)), key=list(zip(begins, ends)).__getitem__)
         names, codes, shapes, begins, ends, needed = (
             _taken(column, order) for column in (names, codes, shapes, begins, ends, needed))

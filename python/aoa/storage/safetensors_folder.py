@@ -368,21 +368,26 @@ def _shards(files: dict[Path, SafetensorsFile]) -> StoredShards:
     return _shards_in_bulk(listed) or _shards_key_by_key(listed)
 
 
-def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]]
-                    ) -> StoredShards | None:
+#: Keys of a file's sharding info, and each one's global offset (two columns).
+_Offsets = tuple[Sequence[str], list[tuple[int, ...]]]
+
+
+def _shards_in_bulk(listed: list[tuple[SafetensorsFile, _Offsets]]) -> StoredShards | None:
     """`_shards`, every file's chunks as columns (`stored_shards`); None where a key lies in
     several files and some file has no offset for one of its tensors (then the chunks are
     read key by key, which names such a key)."""
     keys = _rows(file.columns.names for file, _ in listed)
     offsets: list[tuple[int, ...]] = []
     partial = False
-    for file, found in listed:
+    for file, (found, saved) in listed:
         names = file.columns.names
-        if len(found) == len(names):  # (listed as the header lists them, as DCP writes them)
-            offsets += found.values() if list(found) == names else map(found.__getitem__, names)
+        if found == names:  # listed as the header lists them, as DCP writes them
+            offsets += saved
+        elif len(found) == len(names):  # (distinct keys the file holds: each of its names)
+            offsets += map(dict(zip(found, saved)).__getitem__, names)
         else:  # a tensor without an offset is whole
             partial = True
-            offsets += map(found.get, names,
+            offsets += map(dict(zip(found, saved)).get, names,
                            map(_ZEROS.__getitem__, map(len, file.columns.shapes)))
     if partial and len(set(keys)) < len(keys):
         return None
@@ -397,12 +402,12 @@ def _shards_in_bulk(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...
 _ZEROS = tuple((0,) * rank for rank in range(MAX_DIMS + 1))  # a header's tensor has <= 64
 
 
-def _shards_key_by_key(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, ...]]]]
-                       ) -> StoredShards:
+def _shards_key_by_key(listed: list[tuple[SafetensorsFile, _Offsets]]) -> StoredShards:
     """`_shards`, the chunks gathered key by key."""
     found: dict[str, list[tuple[SafetensorsFile, tuple[int, ...] | None, TensorInfo, int]]] = {}
     rows = itertools.count()
-    for file, offsets in listed:
+    for file, columns in listed:
+        offsets = dict(zip(*columns))
         for key, info in file.tensors.items():
             found.setdefault(key, []).append((file, offsets.get(key), info, next(rows)))
     chunks: dict[str, list[Chunk]] = {}
@@ -419,23 +424,26 @@ def _shards_key_by_key(listed: list[tuple[SafetensorsFile, dict[str, tuple[int, 
     return as_stored(shards_by_key(chunks))
 
 
-def _sharding_info(file: SafetensorsFile) -> dict[str, tuple[int, ...]]:
-    """Global offset of each chunk in ``file``, from its DCP metadata (empty if none)."""
+def _sharding_info(file: SafetensorsFile) -> _Offsets:
+    """The keys of ``file``'s DCP metadata and the global offset of each one's chunk (none
+    if no metadata), as columns: sharding info listing the header's names (as DCP writes
+    it) needs no dict, only its offsets in their order."""
     text = file.metadata.get(SHARDING_KEY)
     if text is None:
-        return {}
+        return [], []
     found = _offsets_in_written_form(text, file)
     if found is not None:
         return found
     where = f"{file.path}: {SHARDING_KEY}"
     info = load_json(text, where, StorageError)
-    return _well_formed_offsets(info, file) or _offsets_entry_by_entry(info, file, where)
+    offsets = _well_formed_offsets(info, file) or _offsets_entry_by_entry(info, file, where)
+    return list(offsets), list(offsets.values())
 
 
-def _offsets_in_written_form(text: str, file: SafetensorsFile
-                             ) -> dict[str, tuple[int, ...]] | None:
-    """`_well_formed_offsets` of sharding info in `json.dumps`'s form, read without a JSON
-    parser (`read_saved_offsets`); None where it is not in that form or has a fault."""
+def _offsets_in_written_form(text: str, file: SafetensorsFile) -> _Offsets | None:
+    """`_well_formed_offsets` of sharding info in `json.dumps`'s form, as columns, read
+    without a JSON parser (`read_saved_offsets`); None where it is not in that form or has
+    a fault."""
     found = read_saved_offsets(text, file.columns.names)
     if found is None:
         return None
@@ -443,7 +451,7 @@ def _offsets_in_written_form(text: str, file: SafetensorsFile
     ranks = _ranks(keys, file)
     if ranks is None or list(map(len, saved)) != ranks:
         return None
-    return dict(zip(keys, saved))
+    return keys, saved
 
 
 def _ranks(keys: Sequence[str], file: SafetensorsFile) -> list[int] | None:
