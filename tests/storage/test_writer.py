@@ -7,7 +7,6 @@ import errno
 import itertools
 import mmap
 import os
-import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -321,41 +320,6 @@ def test_staging_buffers_are_private_memory_asking_for_huge_pages():
     assert "sh" not in flags  # private, not shared
     if hasattr(mmap, "MADV_HUGEPAGE") and Path(_THP).exists():
         assert "hg" in flags  # MADV_HUGEPAGE
-
-
-def _linux_at_least(major: int, minor: int) -> bool:
-    found = re.match(r"(\d+)\.(\d+)", os.uname().release)
-    return (os.uname().sysname == "Linux" and found is not None
-            and (int(found[1]), int(found[2])) >= (major, minor))
-
-
-@pytest.mark.skipif(not _linux_at_least(5, 14), reason="MADV_POPULATE_WRITE is Linux 5.14's")
-def test_the_buffers_taken_first_are_faulted_in_before_they_are_taken():
-    """The first fills find their buffers' pages in memory (faulted in on a thread of their
-    own while the first file is laid out); the buffers taken only when the writes lag stay
-    untouched."""
-    with StagingBuffers(4, 4 << 20) as buffers:
-        assert buffers._faulting is not None
-        buffers._faulting.join()
-        taken = [buffers.take() for _ in range(4)]
-        whole = (4 << 20) // mmap.PAGESIZE
-        assert [resident_pages(buffer) for buffer in taken] == [whole, whole, 0, 0]
-        for buffer in taken:
-            buffers.free.put(buffer)
-
-
-def resident_pages(buffer: mmap.mmap) -> int:
-    """How many of ``buffer``'s pages are in memory (mincore)."""
-    import ctypes
-
-    view = np.frombuffer(buffer, np.uint8)
-    pages = (len(buffer) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    vector = (ctypes.c_ubyte * pages)()
-    mincore = ctypes.CDLL(None, use_errno=True).mincore
-    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    assert mincore(view.ctypes.data, len(buffer), vector) == 0, ctypes.get_errno()
-    del view
-    return sum(byte & 1 for byte in vector)
 
 
 #: Present where the kernel has transparent huge pages (whatever their setting).

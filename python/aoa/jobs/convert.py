@@ -25,15 +25,7 @@ from aoa.layout import ShardDesc
 from aoa.mapping import MappingText, as_mapping
 from aoa.mesh_layout import MeshLayout
 from aoa.plan import Plan
-from aoa.runtime.executor import PlanExecutor
-from aoa.storage.formats import (
-    Destination,
-    Format,
-    OutputFile,
-    Piece,
-    Source,
-    format_named,
-)
+from aoa.storage.formats import Destination, Format, OutputFile, Source, format_named
 from aoa.storage.stacked import Stacking, stack_shards
 
 
@@ -186,20 +178,10 @@ def write(conversion: Conversion, destination: Destination, files: Sequence[Outp
           progress: Callable[[int], None] | None = None) -> list[Path]:
     """Fill and finish ``files`` of the conversion (all, or a rank's share).
 
-    The executor is made when the first buffer is to be filled: until then the staging
-    buffers' pages are faulted in on a thread of their own (`aoa.storage.writer`), beside
-    the first file's layout and the executor's lowering of the plan rather than after them.
     The cyclic garbage collector waits meanwhile: the write makes a few short-lived objects
     per copy and no cycles, while each of its full collections walks the whole plan again
     (at 61x256, 189k copies: a third of the conversion's time, `bench/small_tensors.py`)."""
-    executor: PlanExecutor | None = None
-
-    def fill(pieces: Sequence[Piece]) -> None:
-        nonlocal executor
-        if executor is None:
-            executor = conversion.job.executor(backend=backend, threads=threads,
-                                               progress=progress, clear_untouched=True)
-        executor.fill(pieces)
-
     with collector_paused():
-        return destination.write(fill, files)
+        executor = conversion.job.executor(backend=backend, threads=threads,
+                                           progress=progress, clear_untouched=True)
+        return destination.write(executor.fill, files)

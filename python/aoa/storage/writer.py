@@ -34,7 +34,6 @@ import itertools
 import mmap
 import os
 import queue
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,8 +54,6 @@ BUFFERS = 4
 WRITERS = 2
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-#: madvise(2)'s advice to fault a range in, writable, leaving its bytes as they are (Linux)
-_MADV_POPULATE_WRITE = 23
 
 
 class StagingBuffers:
@@ -71,21 +68,22 @@ class StagingBuffers:
             raise ValueError("staging needs two or more buffers of whole 4 KiB blocks")
         self.count = count
         self.nbytes = nbytes
-        self._buffers = [_buffer(nbytes) for _ in range(count)]
+        self._buffers: list[mmap.mmap] = []
         #: the buffers no write holds, whichever file they last held; the one handed back
         #: last is taken first, so that where the writes keep up with the filling only two
         #: buffers are ever touched (a fresh buffer's first touch costs a page fault and a
         #: zeroed page per 4 KiB: 128 MiB of them took 70 ms, a third of the kernel's work
         #: on 194 MB of small tensors)
         self.free: queue.LifoQueue[mmap.mmap] = queue.LifoQueue()
-        for buffer in self._buffers:
-            self.free.put(buffer)
         #: the files started and not yet waited for (`start_file`)
         self.finishing: list[FileWrite] = []
-        self._faulting = _fault_in(self._buffers[:-3:-1])  # the two taken first
 
     def take(self) -> mmap.mmap:
         """A free buffer: waits for a write to hand one back."""
+        if not self._buffers:
+            self._buffers = [_buffer(self.nbytes) for _ in range(self.count)]
+            for buffer in self._buffers:
+                self.free.put(buffer)
         return self.free.get()
 
     def finish(self) -> list[bool]:
@@ -105,8 +103,6 @@ class StagingBuffers:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.finish()
-        if self._faulting is not None:
-            self._faulting.join()
         for buffer in self._buffers:
             with contextlib.suppress(BufferError):
                 buffer.close()
@@ -132,36 +128,6 @@ def _buffer(nbytes: int) -> mmap.mmap:
         with contextlib.suppress(OSError):
             buffer.madvise(mmap.MADV_HUGEPAGE)
     return buffer
-
-
-def _fault_in(buffers: Sequence[mmap.mmap]) -> threading.Thread | None:
-    """Fault in the pages of ``buffers`` on a thread of their own, without writing them
-    (``MADV_POPULATE_WRITE``, Linux 5.14+; elsewhere nothing: the first fill faults them in),
-    while the caller lays out the first file and plans its copies. In huge pages, the first
-    touch of two 32 MiB buffers took 12-194 ms in a fresh process here (the kernel finds and
-    zeroes 2 MiB pages), on the first fills, before the first byte could go to the disk."""
-    if not sys.platform.startswith("linux") or not buffers:
-        return None
-    spans = []
-    for buffer in buffers:
-        view = np.frombuffer(buffer, np.uint8)
-        spans.append((view.ctypes.data, len(buffer)))
-        del view  # the mapping can be closed again
-
-    def fault_in() -> None:
-        import ctypes
-
-        try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError):  # no C library to ask: faulted in on use
-            return
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        for address, nbytes in spans:  # the GIL released meanwhile, as for any C call
-            madvise(address, nbytes, _MADV_POPULATE_WRITE)  # refused: faulted in on use
-
-    thread = threading.Thread(target=fault_in, name="aoa-fault-in", daemon=True)
-    thread.start()
-    return thread
 
 
 def write_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffers, *,
