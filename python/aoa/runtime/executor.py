@@ -141,9 +141,9 @@ class PlanExecutor:
                 _zero(pieces[slot].buffer)
         records = self._records(shards, firsts, lasts)
         if len(records.starts) > 1:
-            read = self._run(records, destinations, windows)
+            read, read_nbytes = self._run(records, destinations, windows)
             if self._releases is not None:
-                self._releases.filled(shards, firsts, lasts, read)
+                self._releases.filled(shards, firsts, lasts, read, read_nbytes)
         if self.progress is not None:
             self.progress(filled)
 
@@ -182,9 +182,10 @@ class PlanExecutor:
         return lowered
 
     def _run(self, records: Records, destinations: Sequence[Buffer],
-             windows: np.ndarray | None) -> np.ndarray:
+             windows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         """Run ``records`` (sources by plan index), the sources renumbered to the buffers
-        the fill reads; the source shards read."""
+        the fill reads; the source shards read, and their bytes where the source windows
+        say them."""
         plan, table = self.plan, records.table
         where = np.concatenate([records.starts[:-1] + SOURCE,
                                 records.scales[records.scales >= 0]])
@@ -208,7 +209,7 @@ class PlanExecutor:
                 f"it: byte {vanished.offset} of tensor '{shard.key}' is no longer in the file",
                 hint="Something truncated or rewrote the file during the conversion; "
                      "run it again once the file is whole.") from None
-        return used
+        return used, None if source_windows is None else source_windows[:, 2]
 
     def _buffers(self, used: list[int]) -> list[Buffer]:
         """The buffers of source shards ``used`` (plan indices), each asked for once."""

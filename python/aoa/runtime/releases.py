@@ -11,6 +11,7 @@ stays bounded by the staging buffers plus `HELD_BYTES`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -32,8 +33,6 @@ class SourceReleases:
                  release: Callable[[list[int]], None]) -> None:
         self._table = table
         self._sources = plan.sources
-        #: each source shard's bytes (at least 1: a shard kept counts as held)
-        self._nbytes = np.maximum(np.array(shards_nbytes(plan.sources), np.int64), 1)
         self._destinations = plan.destinations
         self._release = release
         self._remaining = np.bincount(_read(table, np.arange(len(table.order))),
@@ -42,10 +41,17 @@ class SourceReleases:
         self._held_bytes = 0
         self._elements_left: dict[int, int] = {}  # shards filled in part so far
 
+    @functools.cached_property
+    def _nbytes(self) -> np.ndarray:
+        """Each source shard's bytes, for fills that do not say those of the shards they
+        read (worked out on first use: 63k shards' take 14 ms, before the first write)."""
+        return np.array(shards_nbytes(self._sources), np.int64)
+
     def filled(self, shards: np.ndarray, firsts: np.ndarray, lasts: np.ndarray,
-               read: np.ndarray) -> None:
+               read: np.ndarray, read_nbytes: np.ndarray | None = None) -> None:
         """After a fill of destination ``shards`` (elements [firsts, lasts), whole where
-        -1) that read the source shards ``read`` (distinct)."""
+        -1) that read the source shards ``read`` (distinct), ``read_nbytes`` bytes each
+        where the fill knows them (its source windows)."""
         complete = [shards[firsts < 0]]
         for shard, first, last in zip(*(a[firsts >= 0].tolist() for a in (shards, firsts,
                                                                           lasts))):
@@ -62,8 +68,10 @@ class SourceReleases:
         done = self._remaining[read] <= 0
         dropped = read[done]
         kept = read[~done]
-        new = kept[self._held[kept] == 0]
-        self._held[new] = self._nbytes[new]
+        fresh = self._held[kept] == 0
+        new = kept[fresh]
+        nbytes = self._nbytes[new] if read_nbytes is None else read_nbytes[~done][fresh]
+        self._held[new] = np.maximum(nbytes, 1)  # at least 1: a shard kept counts as held
         self._held_bytes += int(self._held[new].sum()) - int(self._held[dropped].sum())
         self._held[dropped] = 0
         if self._held_bytes > HELD_BYTES:

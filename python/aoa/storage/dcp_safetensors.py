@@ -52,8 +52,8 @@ class DcpSafetensorsDestination(Destination):
                            sum(map(nbytes.__getitem__, indices)))
                 for rank, indices in enumerate(groups)]
 
-    #: the last rank's header entries, and the keys, shapes and dtypes they were made for
-    _alike: tuple[list[str], list[tuple[int, ...]], list[str | None], HeaderEntries] | None = None
+    #: the last rank's header entries, and the keys and shards they were made for
+    _alike: tuple[list[str], _Specs, HeaderEntries] | None = None
 
     def layout(self, file: OutputFile) -> FileLayout:
         """The rank's shards under their keys, each one's global offset in the metadata."""
@@ -67,18 +67,19 @@ class DcpSafetensorsDestination(Destination):
     def _entries(self, path: Path, shards: list[ShardDesc], keys: list[str]) -> HeaderEntries:
         """The header's entries of the rank holding ``shards``: the last rank's again where
         it held the same keys, shapes and dtypes in the same order, as the ranks of a
-        tensor-parallel output mostly do (61x256 to TP4: three of four ranks)."""
-        shapes = list(map(_LOCAL_SHAPE, shards))
-        dtypes = list(map(_DTYPE, shards))
+        tensor-parallel output mostly do (61x256 to TP4: three of four ranks). Shapes and
+        dtypes are listed only for ranks whose keys match (not for the first file, whose
+        layout the disk waits for)."""
+        specs = _Specs(shards)
         alike = self._alike
-        if alike is not None and alike[0] == keys and alike[1] == shapes and alike[2] == dtypes:
-            return alike[3]
+        if alike is not None and alike[0] == keys and alike[1] == specs:
+            return alike[2]
         # keys below DEL read the same ASCII-escaped or not: the header takes their texts
         joined = "".join(keys)
         texts = (self._key_texts(keys) if joined.isascii() and "\x7f" not in joined
                  else None)
         entries = header_entries(path, shards, keys, texts)
-        self._alike = (keys, shapes, dtypes, entries)
+        self._alike = (keys, specs, entries)
         return entries
 
     def _metadata_json(self, shards: list[ShardDesc], keys: list[str]) -> str:
@@ -149,6 +150,28 @@ def _sharding_parts(shards: Sequence[ShardDesc], key_texts: Sequence[str], quote
     if parts:
         parts[-1] = parts[-1][:-2]  # no ", " after the last
     return parts
+
+
+class _Specs:
+    """A rank's shards compared by local shape and dtype, in order; the lists made when
+    first compared, once."""
+
+    def __init__(self, shards: list[ShardDesc]) -> None:
+        self._shards = shards
+        self._lists: tuple[list[tuple[int, ...]], list[str | None]] | None = None
+
+    def lists(self) -> tuple[list[tuple[int, ...]], list[str | None]]:
+        if self._lists is None:
+            self._lists = (list(map(_LOCAL_SHAPE, self._shards)),
+                           list(map(_DTYPE, self._shards)))
+        return self._lists
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Specs):
+            return NotImplemented
+        return len(self._shards) == len(other._shards) and self.lists() == other.lists()
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class _OffsetTexts(dict[tuple[int, ...], str]):
