@@ -18,11 +18,12 @@ from aoa.errors import AoaError, UsageError
 from aoa.storage.formats import DEFAULT_MAX_FILE_BYTES, FORMAT_NAMES
 
 if TYPE_CHECKING:
-    from aoa.layout import ShardDesc
+    from aoa.layout import ShardDesc, ShardInfo
     from aoa.mapping import MappingText
     from aoa.passes import Pass
     from aoa.passes.context import CompileContext
     from aoa.pipeline import Compilation
+    from aoa.storage.formats import Source
 
 # Each command imports what it needs when it runs (the compiler needs Lark, a conversion
 # numpy and the kernel): `aoa --help` needs none of them (issue 13, goal 6).
@@ -171,6 +172,26 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
+def _destination_and_source(args) -> tuple[ShardInfo | None, Source]:
+    """The `--destination`'s shard info and the source, opened: the first read aside (in a
+    forked child, `aoa.mapping.shard_info_read_aside`) while the source opens, its faults
+    reported first, as when it was read first."""
+    from aoa.mapping import shard_info_read_aside
+    from aoa.storage.formats import open_source
+
+    with shard_info_read_aside(args.destination, "destination") as destination:
+        try:
+            checkpoint = open_source(args.source, args.source_format)
+        except BaseException:
+            destination()
+            raise
+        try:
+            return destination(), checkpoint
+        except BaseException:
+            checkpoint.close()
+            raise
+
+
 def cmd_convert(args) -> int:
     if args.to is not None:
         return cmd_convert_model(args)
@@ -182,17 +203,16 @@ def cmd_convert(args) -> int:
             raise UsageError(f"--{option.replace('_file', '').replace('_', '-')} goes with --to")
     from aoa.jobs.convert import execute, prepare
     from aoa.jobs.distributed import rank_share
-    from aoa.mapping import read_mapping, read_shard_info
+    from aoa.mapping import read_mapping
     from aoa.mesh_layout import read_mesh_layout
     from aoa.runtime.progress import progress_bar
-    from aoa.storage.formats import open_source
 
     mapping = read_mapping(args.mapping)
     mapping = mapping._replace(reverse=mapping.reverse or args.reverse)
     layout = read_mesh_layout(args.layout) if args.layout else None
-    destination = read_shard_info(args.destination, "destination")
+    destination, checkpoint = _destination_and_source(args)
     max_file_bytes = None if args.max_file_size is None else int(args.max_file_size * 1e9)
-    with open_source(args.source, args.source_format) as checkpoint:
+    with checkpoint:
         conversion = prepare(mapping, checkpoint, layout=layout, destination=destination,
                              output_format=args.output_format, max_file_bytes=max_file_bytes,
                              strict=not args.lenient)

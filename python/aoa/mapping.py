@@ -8,7 +8,9 @@ line and `aoa.load` read them the same way, through here.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -16,7 +18,7 @@ from aoa.collector import collector_paused
 from aoa.errors import UsageError, quote
 from aoa.inputs import load_json, read_text
 from aoa.layout import ShardDesc, normalize_shard_info
-from aoa.shard_info_json import read_regular_shard_info
+from aoa.shard_info_json import ShardRows, read_regular_shard_info, regular_shard_rows
 
 
 class MappingText(NamedTuple):
@@ -60,6 +62,46 @@ def as_mapping(mapping: object) -> MappingText:
         return read_mapping(mapping)
     raise UsageError(f"mapping must be a file, AOA text or a list of statements, not "
                      f"{type(mapping).__name__}")
+
+
+@contextlib.contextmanager
+def shard_info_read_aside(path: str | os.PathLike[str] | None, what: str
+                          ) -> Iterator[Callable[[], dict[str, list[ShardDesc]] | None]]:
+    """`read_shard_info` of ``path`` begun in a forked child (`aoa.forked`), for a block that
+    does other work meanwhile (opens the source: one core each) and then calls the function
+    given for the result. The child reads and checks text in `json.dumps`'s form and hands
+    its rows over; any other text, a fault, or no child: the function reads it here, so the
+    result and every error are those of `read_shard_info`, only later."""
+    from aoa.forked import forked
+
+    if path is None or not _worth_a_child(path):
+        yield lambda: read_shard_info(path, what)
+        return
+    text_path = path
+
+    def rows() -> ShardRows | None:
+        return regular_shard_rows(read_text(text_path, f"{what} shard info"))
+
+    with forked(rows) as pending:
+        def result() -> dict[str, list[ShardDesc]] | None:
+            found = None if pending is None else pending.result()
+            if found is None:
+                return read_shard_info(path, what)
+            with collector_paused():
+                return ShardDesc.grouped_unchecked(*found)
+
+        yield result
+
+
+#: Shard-info JSON smaller than this is read where it is asked for: a child costs ~2 ms.
+_CHILD_BYTES = 1 << 20
+
+
+def _worth_a_child(path: str | os.PathLike[str]) -> bool:
+    try:
+        return os.stat(path).st_size >= _CHILD_BYTES
+    except OSError:
+        return False  # (read where asked, which says what is wrong with it)
 
 
 def read_shard_info(path: str | os.PathLike[str] | None, what: str

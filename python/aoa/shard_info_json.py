@@ -51,9 +51,20 @@ _GUESS_BY = slice(-64, None)
 _Template = tuple[list[str], list[ShardRow]]
 
 
+#: Shard info as rows: its keys, and each key's rows (keys sharded alike share one list).
+ShardRows = tuple[list[str], list[list[ShardRow]]]
+
+
 def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
     """The shard info ``text`` holds, if it is in `json.dumps`'s form and every description
     passes `ShardDesc`'s checks; else None (read it with a JSON parser)."""
+    rows = regular_shard_rows(text)
+    return None if rows is None else ShardDesc.grouped_unchecked(*rows)
+
+
+def regular_shard_rows(text: str) -> ShardRows | None:
+    """`read_regular_shard_info` as rows, its descriptions not made yet: few objects,
+    cheap to hand from one process to another (`aoa.forked`)."""
     core = text.strip(_JSON_SPACE)
     if not (core.startswith('{"') and core.endswith("}]}")) or "\\" in core:
         return None
@@ -92,7 +103,7 @@ def read_regular_shard_info(text: str) -> dict[str, list[ShardDesc]] | None:
                 if found is None:
                     return None
         boxes.append(found[1])
-    return ShardDesc.grouped_unchecked(keys, boxes)
+    return keys, boxes
 
 
 def _plain_keys(keys: Sequence[str]) -> bool:

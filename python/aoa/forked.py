@@ -1,0 +1,87 @@
+"""Work for the second core: a pure function run in a forked child while this process goes
+on with other work, its result pickled back through a pipe.
+
+`aoa convert --destination` reads the destination's shard-info JSON (0.1 s for the 125k
+shards of a 61-layer, 256-expert MoE) and opens the source (0.25 s), one after the other,
+each on one core; the child reads the first while the parent opens the second. The child
+is a copy of this process made for one function of aoa's own (the result is trusted as the
+parent's own objects are; nothing from a checkpoint is unpickled).
+
+Anything amiss gives no result, and the caller does the work itself, in order: forking is
+not there (not Linux) or not safe (other threads run: a fork copies only the one calling),
+the function raised (its error is raised again, with its place, when the caller does the
+work), the child died. So a result, when there is one, is what the caller would have made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """A child at work on a function; `result` waits for it."""
+
+    def __init__(self, pid: int, pipe: int) -> None:
+        self._pid = pid
+        self._pipe = pipe
+        self._waited = False
+
+    def result(self) -> T | None:
+        """The function's result, or None where the child gave none (do the work here)."""
+        if self._waited:
+            return None
+        with os.fdopen(self._pipe, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(self._pid, 0)
+        self._waited = True
+        if status != 0 or not data:
+            return None
+        result: T = pickle.loads(data)
+        return result
+
+    def abandon(self) -> None:
+        """Stop the child if it is still there (its result not asked for) and reap it."""
+        if self._waited:
+            return
+        self._waited = True
+        os.close(self._pipe)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._pid, signal.SIGKILL)
+        os.waitpid(self._pid, 0)
+
+
+@contextlib.contextmanager
+def forked(work: Callable[[], T]) -> Iterator[Pending[T] | None]:
+    """``work()`` started in a forked child, for the block: its `Pending`, or None where no
+    child could be made safely (then do the work in the block). A child whose result the
+    block did not ask for is stopped when the block ends."""
+    if not sys.platform.startswith("linux") or threading.active_count() != 1:
+        yield None
+        return
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, hand the result over, leave without Python's teardown
+        code = 1
+        try:
+            os.close(read_end)
+            data = pickle.dumps(work(), protocol=pickle.HIGHEST_PROTOCOL)
+            with os.fdopen(write_end, "wb") as pipe:
+                pipe.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    pending: Pending[T] = Pending(pid, read_end)
+    try:
+        yield pending
+    finally:
+        pending.abandon()

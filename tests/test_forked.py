@@ -1,0 +1,108 @@
+"""`aoa.forked` and the `--destination` read aside in a child while the source opens: the
+child's result is what reading here makes, and whatever goes wrong in the child, the work
+is done here, with its own errors, in the order they came before."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from aoa import cli
+from aoa.errors import UsageError
+from aoa.forked import forked
+from aoa.layout import ShardDesc, sharded_alike
+from aoa.mapping import read_shard_info, shard_info_read_aside
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def test_a_child_hands_its_result_over_and_is_reaped() -> None:
+    with forked(lambda: (os.getpid(), [1, (2, 3)])) as pending:
+        assert pending is not None
+        pid, value = pending.result()
+        assert pending.result() is None  # asked once
+    assert pid != os.getpid() and value == [1, (2, 3)]
+    assert _reaped(pending._pid)
+
+
+def test_a_child_that_fails_gives_no_result() -> None:
+    def fail() -> None:
+        raise UsageError("no")
+
+    with forked(fail) as pending:
+        assert pending is not None and pending.result() is None
+
+
+def test_a_child_not_asked_is_stopped_when_the_block_ends() -> None:
+    with pytest.raises(KeyError), forked(lambda: threading.Event().wait(30)) as pending:
+        assert pending is not None
+        raise KeyError("the block failed")
+    assert _reaped(pending._pid)
+
+
+def test_no_child_while_another_thread_runs() -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        with forked(lambda: 1) as pending:
+            assert pending is None
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _big_shard_info(path: Path, experts: int = 4000) -> dict[str, list[ShardDesc]]:
+    """Shard-info JSON over 1 MB (read aside), as `json.dumps` writes it."""
+    info = {f"layers.{n // 100}.experts.{n % 100}.weight": [
+        ShardDesc(f"layers.{n // 100}.experts.{n % 100}.weight", (4, 8), (8, 8), (4 * half, 0),
+                  "bfloat16") for half in range(2)] for n in range(experts)}
+    path.write_text(json.dumps({key: [s.to_json() for s in shards]
+                                for key, shards in info.items()}))
+    assert path.stat().st_size > 1 << 20
+    return info
+
+
+def test_shard_info_read_aside_is_what_reading_here_makes(tmp_path: Path, monkeypatch) -> None:
+    expected = _big_shard_info(tmp_path / "d.json")
+    with shard_info_read_aside(tmp_path / "d.json", "destination") as result, \
+            monkeypatch.context() as patched:
+        patched.setattr("aoa.mapping.read_shard_info", None)  # (so the result is the child's)
+        found = result()
+    assert found == expected == read_shard_info(tmp_path / "d.json", "destination")
+    assert sharded_alike(found) == sharded_alike(read_shard_info(tmp_path / "d.json", "x"))
+
+
+def test_a_fault_found_aside_is_the_error_of_reading_here(tmp_path: Path) -> None:
+    _big_shard_info(tmp_path / "d.json")
+    path = tmp_path / "d.json"
+    path.write_text(path.read_text().replace('"global_shape": [8, 8]', '"global_shape": [3, 8]',
+                                             1))
+    with pytest.raises(UsageError) as here:
+        read_shard_info(path, "destination")
+    with pytest.raises(UsageError) as aside, \
+            shard_info_read_aside(path, "destination") as result:
+        result()
+    assert aside.value.render() == here.value.render()
+    assert "layers.0.experts.0.weight" in here.value.render()
+
+
+def test_a_bad_destination_is_reported_before_a_bad_source(tmp_path: Path, capsys) -> None:
+    _big_shard_info(tmp_path / "d.json")
+    path = tmp_path / "d.json"
+    path.write_text(path.read_text()[:-5])
+    (tmp_path / "m.aoa").write_text("a -> b\n")
+    code = cli.main(["convert", str(tmp_path / "m.aoa"), "--source", str(tmp_path / "none"),
+                     "--destination", str(path), "--output", str(tmp_path / "out")])
+    assert code == cli.EXIT_USAGE
+    assert capsys.readouterr().err.startswith(f"aoa: error: {path}:1:")  # not the source's
