@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -172,24 +172,23 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
-def _destination_and_source(args) -> tuple[ShardInfo | None, Source]:
-    """The `--destination`'s shard info and the source, opened: the first read aside (in a
-    forked child, `aoa.mapping.shard_info_read_aside`) while the source opens, its faults
-    reported first, as when it was read first."""
-    from aoa.mapping import shard_info_read_aside
+def _source_then_destination(args, destination: Callable[[], ShardInfo | None]
+                             ) -> tuple[ShardInfo | None, Source]:
+    """The `--destination`'s shard info (``destination()``: read aside meanwhile, by
+    `aoa.mapping.shard_info_read_aside`) and the source, opened; the destination's faults
+    are reported first, as when it was read first."""
     from aoa.storage.formats import open_source
 
-    with shard_info_read_aside(args.destination, "destination") as destination:
-        try:
-            checkpoint = open_source(args.source, args.source_format)
-        except BaseException:
-            destination()
-            raise
-        try:
-            return destination(), checkpoint
-        except BaseException:
-            checkpoint.close()
-            raise
+    try:
+        checkpoint = open_source(args.source, args.source_format)
+    except BaseException:
+        destination()
+        raise
+    try:
+        return destination(), checkpoint
+    except BaseException:
+        checkpoint.close()
+        raise
 
 
 def cmd_convert(args) -> int:
@@ -201,16 +200,20 @@ def cmd_convert(args) -> int:
     for option in ("tp", "ep", "pp", "dtype", "mapping_file", *_TARGET_OPTIONS):
         if getattr(args, option) is not None:
             raise UsageError(f"--{option.replace('_file', '').replace('_', '-')} goes with --to")
-    from aoa.jobs.convert import execute, prepare
-    from aoa.jobs.distributed import rank_share
-    from aoa.mapping import read_mapping
-    from aoa.mesh_layout import read_mesh_layout
-    from aoa.runtime.progress import progress_bar
+    from aoa.mapping import read_mapping, shard_info_read_aside
 
-    mapping = read_mapping(args.mapping)
-    mapping = mapping._replace(reverse=mapping.reverse or args.reverse)
-    layout = read_mesh_layout(args.layout) if args.layout else None
-    destination, checkpoint = _destination_and_source(args)
+    # the destination's shard info is read in a child from here, the second core's work
+    # while this process imports the compiler and the kernel and opens the source
+    with shard_info_read_aside(args.destination, "destination") as read_destination:
+        from aoa.jobs.convert import execute, prepare
+        from aoa.jobs.distributed import rank_share
+        from aoa.mesh_layout import read_mesh_layout
+        from aoa.runtime.progress import progress_bar
+
+        mapping = read_mapping(args.mapping)
+        mapping = mapping._replace(reverse=mapping.reverse or args.reverse)
+        layout = read_mesh_layout(args.layout) if args.layout else None
+        destination, checkpoint = _source_then_destination(args, read_destination)
     max_file_bytes = None if args.max_file_size is None else int(args.max_file_size * 1e9)
     with checkpoint:
         conversion = prepare(mapping, checkpoint, layout=layout, destination=destination,
