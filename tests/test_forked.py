@@ -1,6 +1,7 @@
-"""`aoa.forked` and the `--destination` read aside in a child while the source opens: the
-child's result is what reading here makes, and whatever goes wrong in the child, the work
-is done here, with its own errors, in the order they came before."""
+"""`aoa.forked` and the work it takes to the second core (the `--destination` read while the
+source opens, the later rank files' headers while the first are read): a child's result is
+what reading here makes, and whatever goes wrong in the child, the work is done here, with
+its own errors, in the order they came before."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import os
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors_files import save
 
 from aoa import cli
-from aoa.errors import UsageError
+from aoa.errors import StorageError, UsageError
 from aoa.forked import forked
 from aoa.layout import ShardDesc, sharded_alike
 from aoa.mapping import read_shard_info, shard_info_read_aside
+from aoa.storage import safetensors as safetensors_module
+from aoa.storage.safetensors import SafetensorsFile
 
 
 def _reaped(pid: int) -> bool:
@@ -106,3 +111,57 @@ def test_a_bad_destination_is_reported_before_a_bad_source(tmp_path: Path, capsy
                      "--destination", str(path), "--output", str(tmp_path / "out")])
     assert code == cli.EXIT_USAGE
     assert capsys.readouterr().err.startswith(f"aoa: error: {path}:1:")  # not the source's
+
+
+def _rank_files(folder: Path, ranks: int = 3, tensors: int = 16000) -> list[Path]:
+    """Rank files whose headers are over 1 MB together past the first half (read aside)."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    paths = []
+    for rank in range(ranks):
+        arrays = {f"layers.{n // 100}.experts.{n % 100}.w": rng.random((1, 2), np.float32)
+                  for n in range(tensors)}
+        paths.append(save(folder / f"rank-{rank:05d}-of-{ranks:05d}.safetensors", arrays))
+    return paths
+
+
+def _mapped_here(folder: Path) -> int:
+    return Path("/proc/self/maps").read_text().count(str(folder))
+
+
+def test_headers_read_aside_are_what_reading_here_makes(tmp_path: Path, monkeypatch) -> None:
+    paths = _rank_files(tmp_path / "ranks")
+    expected = [SafetensorsFile.open(path) for path in paths]
+    parsed_here = []
+
+    def parse(path: Path, data: object) -> object:
+        parsed_here.append(path)
+        return parse_here(path, data)
+
+    parse_here = safetensors_module._parse
+    monkeypatch.setattr(safetensors_module, "_parse", parse)
+    opened = SafetensorsFile.open_all(paths)
+    assert parsed_here == paths[:2]  # the third's header was read in the child
+    for file, alone in zip(opened, expected):
+        assert (file.path, file.metadata, file.columns) == (alone.path, alone.metadata,
+                                                            alone.columns)
+        assert bytes(file.whole("x")[-8:]) == bytes(alone.whole("x")[-8:])
+    for file in opened + expected:
+        file.close()
+    assert _mapped_here(tmp_path) == 0
+
+
+@pytest.mark.parametrize("broken", [[2], [0, 2], [1, 2]])
+def test_a_header_refused_aside_is_refused_here_first_file_first(tmp_path: Path,
+                                                                broken: list[int]) -> None:
+    paths = _rank_files(tmp_path / "ranks")
+    for at in broken:
+        data = bytearray(paths[at].read_bytes())
+        data[20:24] = b"\x00\x00\x00\x00"  # a control character in the header's JSON
+        paths[at].write_bytes(bytes(data))
+    with pytest.raises(StorageError) as alone:
+        SafetensorsFile.open(paths[broken[0]])
+    with pytest.raises(StorageError) as together:
+        SafetensorsFile.open_all(paths)
+    assert together.value.render() == alone.value.render()
+    assert _mapped_here(tmp_path) == 0  # nothing left open

@@ -60,11 +60,11 @@ class Pending(Generic[T]):
 
 
 @contextlib.contextmanager
-def forked(work: Callable[[], T]) -> Iterator[Pending[T] | None]:
+def forked(work: Callable[[], T] | None) -> Iterator[Pending[T] | None]:
     """``work()`` started in a forked child, for the block: its `Pending`, or None where no
-    child could be made safely (then do the work in the block). A child whose result the
-    block did not ask for is stopped when the block ends."""
-    if not sys.platform.startswith("linux") or threading.active_count() != 1:
+    child could be made safely, or there is no ``work`` (then do the work in the block). A
+    child whose result the block did not ask for is stopped when the block ends."""
+    if work is None or not sys.platform.startswith("linux") or threading.active_count() != 1:
         yield None
         return
     read_end, write_end = os.pipe()

@@ -255,8 +255,7 @@ def open_folder(path: Path) -> SafetensorsSource:
         raise StorageError(f"{path}: no such checkpoint file or folder")
     files: dict[Path, SafetensorsFile] = {}
     try:
-        for name in names:
-            files[name] = SafetensorsFile.open(name)
+        files.update(zip(names, SafetensorsFile.open_all(names)))
         if weight_map is not None:
             _check_index(index, weight_map, files)
         if len(names) == 1 and names[0] == path:
