@@ -1,11 +1,13 @@
 """Work for the second core: a pure function run in a forked child while this process goes
 on with other work, its result pickled back through a pipe.
 
-`aoa convert --destination` reads the destination's shard-info JSON (0.1 s for the 125k
-shards of a 61-layer, 256-expert MoE) and opens the source (0.25 s), one after the other,
-each on one core; the child reads the first while the parent opens the second. The child
-is a copy of this process made for one function of aoa's own (the result is trusted as the
-parent's own objects are; nothing from a checkpoint is unpickled).
+`aoa convert --destination` read the destination's shard-info JSON (0.1 s for the 125k
+shards of a 61-layer, 256-expert MoE) and opened the source (0.25 s, two rank headers of
+~70 ms each) one after the other, on one core: now a child reads the JSON
+(`aoa.mapping.shard_info_read_aside`) and another the later half of a folder's headers
+(`SafetensorsFile.open_all`) while this process goes on. A child is a copy of this process
+made for one function of aoa's own (the result is trusted as the parent's own objects are;
+nothing from a checkpoint is unpickled).
 
 Anything amiss gives no result, and the caller does the work itself, in order: forking is
 not there (not Linux) or not safe (other threads run: a fork copies only the one calling),
@@ -25,6 +27,10 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+#: Reading worth a child: from this many bytes of text (a child costs ~2 ms, and handing
+#: back what it read a few more).
+WORTH_A_CHILD_BYTES = 1 << 20
 
 
 class Pending(Generic[T]):

@@ -73,7 +73,7 @@ class ShardDesc:
                        dtypes: Iterable[str | None]) -> list[ShardDesc]:
         """`unchecked` of each row of these columns (of one length), for descriptions
         checked in bulk (checkpoint headers): made in C++ (`aoa._core.new_records`), each
-        field set through its slot, a fifth of the cost of `unchecked`'s stores in a loop."""
+        field set through its slot, half the cost of `unchecked`'s stores in a loop."""
         from aoa import _core
 
         return _core.new_records(cls, _FIELDS, (keys, local_shapes, global_shapes,

@@ -93,13 +93,11 @@ def shard_info_read_aside(path: str | os.PathLike[str] | None, what: str
         yield result
 
 
-#: Shard-info JSON smaller than this is read where it is asked for: a child costs ~2 ms.
-_CHILD_BYTES = 1 << 20
-
-
 def _worth_a_child(path: str | os.PathLike[str]) -> bool:
+    from aoa.forked import WORTH_A_CHILD_BYTES
+
     try:
-        return os.stat(path).st_size >= _CHILD_BYTES
+        return os.stat(path).st_size >= WORTH_A_CHILD_BYTES
     except OSError:
         return False  # (read where asked, which says what is wrong with it)
 

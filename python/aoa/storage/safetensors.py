@@ -119,7 +119,7 @@ class SafetensorsFile:
         child (`aoa.forked`), over the mappings made here: a rank file's header of 30k
         entries takes ~70 ms, a core's work. A header the child could not read is read
         here, which says what is wrong with it."""
-        from aoa.forked import forked
+        from aoa.forked import WORTH_A_CHILD_BYTES, forked
 
         later = list(paths[(len(paths) + 1) // 2:])
         mapped: list[mmap.mmap | StorageError] = []
@@ -131,7 +131,7 @@ class SafetensorsFile:
         opened: list[SafetensorsFile] = []
         try:
             with forked(functools.partial(_parse_all, later, mapped)
-                        if _header_bytes(mapped) >= _ASIDE_BYTES else None) as pending:
+                        if _header_bytes(mapped) >= WORTH_A_CHILD_BYTES else None) as pending:
                 opened += map(cls.open, paths[:len(paths) - len(later)])
                 parsed = pending.result() if pending is not None else None
             for path, mapping, found in zip(later, mapped,
@@ -234,11 +234,6 @@ def _mapped(path: Path) -> mmap.mmap:
             return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as error:
         raise StorageError(f"{path}: cannot open: {error.strerror}") from error
-
-
-#: Headers (of the later half of a folder's files) read in a forked child from this many
-#: bytes together: a child costs ~2 ms, and hands back what it read in a few more.
-_ASIDE_BYTES = 1 << 20
 
 
 def _header_bytes(mapped: Sequence[mmap.mmap | StorageError]) -> int:
