@@ -5,6 +5,7 @@ its own errors, in the order they came before."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors_files import save
+from safetensors_files import dcp_file, save
 
 from aoa import cli
 from aoa.errors import StorageError, UsageError
@@ -20,6 +21,8 @@ from aoa.forked import forked
 from aoa.layout import ShardDesc, sharded_alike
 from aoa.mapping import read_shard_info, shard_info_read_aside
 from aoa.storage import safetensors as safetensors_module
+from aoa.storage import safetensors_folder
+from aoa.storage.formats import Source, open_source
 from aoa.storage.safetensors import SafetensorsFile
 
 
@@ -165,3 +168,69 @@ def test_a_header_refused_aside_is_refused_here_first_file_first(tmp_path: Path,
         SafetensorsFile.open_all(paths)
     assert together.value.render() == alone.value.render()
     assert _mapped_here(tmp_path) == 0  # nothing left open
+
+
+def test_each_files_reading_is_made_where_its_header_is_read(tmp_path: Path) -> None:
+    paths = _rank_files(tmp_path / "ranks")
+    opened = SafetensorsFile.open_all_reading(
+        paths, lambda file: (os.getpid(), file.columns.names[-1]))
+    assert [pid == os.getpid() for _, (pid, _) in opened] == [True, True, False]
+    assert [last for _, (_, last) in opened] == [file.columns.names[-1] for file, _ in opened]
+    for file, _ in opened:
+        file.close()
+    assert _mapped_here(tmp_path) == 0
+
+
+def _dcp_ranks(folder: Path, tensors: int = 12000) -> Path:
+    """Two rank files of a DCP folder, each key cut in two rows, sharding info over 1 MB."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    arrays = {f"layers.{n // 100}.experts.{n % 100}.w": rng.random((2, 3), np.float32)
+              for n in range(tensors)}
+    for rank in range(2):
+        dcp_file(folder / f"rank-{rank:05d}-of-00002.safetensors",
+                 {key: (array[rank:rank + 1], [rank, 0]) for key, array in arrays.items()})
+    return folder
+
+
+def _locations(source: Source) -> list[object]:
+    return source.locations(list(itertools.chain.from_iterable(source.shards.values())))
+
+
+def test_sharding_info_read_aside_opens_the_source_reading_here_opens(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    folder = _dcp_ranks(tmp_path / "ranks")
+    read_ahead = []
+
+    def offsets(file: SafetensorsFile) -> object:
+        read_ahead.append(file.path)  # (the parent's only: the child's list is its own)
+        return offsets_here(file)
+
+    offsets_here = safetensors_folder._offsets_read_ahead
+    monkeypatch.setattr(safetensors_folder, "_offsets_read_ahead", offsets)
+    with open_source(folder) as source:
+        found = source.shards, _locations(source)
+    assert read_ahead == [folder / "rank-00000-of-00002.safetensors"]  # rank 1's: the child's
+    monkeypatch.setattr(safetensors_folder, "_offsets_read_ahead", lambda file: None)
+    with open_source(folder) as source:
+        assert found == (source.shards, _locations(source))
+    assert len(found[0]) == 12000 and len(found[1]) == 24000
+
+
+@pytest.mark.parametrize("fault", ["[1, 0, 0]", "[1, -1]", "[3, 0]"])
+def test_a_fault_in_sharding_info_read_aside_is_the_error_of_reading_here(
+        tmp_path: Path, monkeypatch, fault: str) -> None:
+    folder = _dcp_ranks(tmp_path / "ranks")
+    rank = folder / "rank-00001-of-00002.safetensors"
+    data = rank.read_bytes()
+    at = data.index(b"[1, 0]", data.index(b"DCP_SHARDING_INFO"))
+    length = int.from_bytes(data[:8], "little") + len(fault) - 6
+    rank.write_bytes(length.to_bytes(8, "little") + data[8:at] + fault.encode()
+                     + data[at + 6:])
+    with pytest.raises(StorageError) as aside:
+        open_source(folder)
+    monkeypatch.setattr(safetensors_folder, "_offsets_read_ahead", lambda file: None)
+    with pytest.raises(StorageError) as here:
+        open_source(folder)
+    assert aside.value.render() == here.value.render()
+    assert str(rank) in here.value.render()

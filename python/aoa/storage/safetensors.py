@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from aoa.dtypes import ITEMSIZES, SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, numpy_dtype
 from aoa.errors import StorageError, quote
@@ -48,6 +48,8 @@ PARTIAL_SUFFIX = ".aoa-partial"
 _LENGTH_BYTES = 8
 _METADATA_KEY = "__metadata__"
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+
+T = TypeVar("T")
 
 
 class TensorInfo(NamedTuple):
@@ -119,6 +121,16 @@ class SafetensorsFile:
         child (`aoa.forked`), over the mappings made here: a rank file's header of 30k
         entries takes ~70 ms, a core's work. A header the child could not read is read
         here, which says what is wrong with it."""
+        return [file for file, _ in cls.open_all_reading(paths, None)]
+
+    @classmethod
+    def open_all_reading(cls, paths: Sequence[Path],
+                         reading: Callable[[SafetensorsFile], T | None] | None
+                         ) -> list[tuple[SafetensorsFile, T | None]]:
+        """`open_all`, each file with ``reading`` of it, made where its header was read:
+        the later half's in the child, so that more of each file's own work is done two at a
+        time (a rank's sharding info, ~17 ms each). ``reading`` never raises: None where it
+        cannot tell (the caller then does that work itself, which says what is wrong)."""
         from aoa.forked import WORTH_A_CHILD_BYTES, forked
 
         later = list(paths[(len(paths) + 1) // 2:])
@@ -128,20 +140,26 @@ class SafetensorsFile:
                 mapped.append(_mapped(path))
             except StorageError as error:
                 mapped.append(error)
-        opened: list[SafetensorsFile] = []
+        opened: list[tuple[SafetensorsFile, T | None]] = []
         try:
-            with forked(functools.partial(_parse_all, later, mapped)
+            with forked(functools.partial(_parse_all, later, mapped, reading)
                         if _header_bytes(mapped) >= WORTH_A_CHILD_BYTES else None) as pending:
-                opened += map(cls.open, paths[:len(paths) - len(later)])
+                for path in paths[:len(paths) - len(later)]:
+                    file = cls.open(path)
+                    opened.append((file, _read_by(reading, file)))
                 parsed = pending.result() if pending is not None else None
             for path, mapping, found in zip(later, mapped,
                                             parsed or itertools.repeat(None)):
                 if isinstance(mapping, StorageError):
                     raise mapping
-                opened.append(cls._parsed(path, mapping) if found is None
-                              else cls(path, mapping, *found))
+                if found is None:
+                    file = cls._parsed(path, mapping)
+                    opened.append((file, _read_by(reading, file)))
+                else:
+                    metadata, columns, read = found
+                    opened.append((cls(path, mapping, metadata, columns), read))
         except BaseException:
-            for file in opened:
+            for file, _ in opened:
                 file.close()
             taken = max(0, len(opened) - (len(paths) - len(later)))  # later ones opened
             for mapping in mapped[taken:]:
@@ -242,17 +260,30 @@ def _header_bytes(mapped: Sequence[mmap.mmap | StorageError]) -> int:
                for mapping in mapped if not isinstance(mapping, StorageError))
 
 
-def _parse_all(paths: Sequence[Path], mapped: Sequence[mmap.mmap | StorageError]
-               ) -> list[tuple[dict[str, str], TensorColumns] | None]:
-    """`_parse` of each mapped file; None for one that is not mapped or is refused (read
-    again where it is opened, which raises its error there)."""
-    found: list[tuple[dict[str, str], TensorColumns] | None] = []
+def _parse_all(paths: Sequence[Path], mapped: Sequence[mmap.mmap | StorageError],
+               reading: Callable[[SafetensorsFile], T | None] | None
+               ) -> list[tuple[dict[str, str], TensorColumns, T | None] | None]:
+    """`_parse` of each mapped file, with ``reading`` of the file it makes; None for one
+    that is not mapped or is refused (read again where it is opened, which raises its error
+    there)."""
+    found: list[tuple[dict[str, str], TensorColumns, T | None] | None] = []
     for path, mapping in zip(paths, mapped):
         try:
-            found.append(None if isinstance(mapping, StorageError) else _parse(path, mapping))
+            if isinstance(mapping, StorageError):
+                found.append(None)
+                continue
+            metadata, columns = _parse(path, mapping)
         except StorageError:
             found.append(None)
+            continue
+        found.append((metadata, columns,
+                      _read_by(reading, SafetensorsFile(path, mapping, metadata, columns))))
     return found
+
+
+def _read_by(reading: Callable[[SafetensorsFile], T | None] | None, file: SafetensorsFile
+             ) -> T | None:
+    return None if reading is None else reading(file)
 
 
 _OFFSET = operator.attrgetter("offset")

@@ -54,7 +54,10 @@ class SafetensorsSource(Source[int]):
     A shard's location is its row: where its tensor comes among every file's tensors, file
     after file (the files in order, each file's tensors in its order)."""
 
-    def __init__(self, path: Path, files: dict[Path, SafetensorsFile]) -> None:
+    def __init__(self, path: Path, files: dict[Path, SafetensorsFile],
+                 offsets_read: Sequence[_Offsets | None] = ()) -> None:
+        """``offsets_read``: each file's sharding info, where it was read already
+        (`_offsets_read_ahead`; None or none given: read here)."""
         sharded = any(SHARDING_KEY in file.metadata for file in files.values())
         self._files = files
         self._listed = list(files.values())
@@ -65,7 +68,8 @@ class SafetensorsSource(Source[int]):
         self._offsets = _rows(file.columns.offsets for file in self._listed)
         self._nbytes = _rows(file.columns.nbytes for file in self._listed)
         self._last_plan: tuple[Sequence[ShardDesc], np.ndarray] | None = None
-        super().__init__(path, "dcp-safetensors" if sharded else "safetensors", _shards(files))
+        super().__init__(path, "dcp-safetensors" if sharded else "safetensors",
+                         _shards(files, offsets_read))
 
     def buffer(self, shard: ShardDesc) -> memoryview:
         return self.buffers([shard])[0]
@@ -255,12 +259,13 @@ def open_folder(path: Path) -> SafetensorsSource:
         raise StorageError(f"{path}: no such checkpoint file or folder")
     files: dict[Path, SafetensorsFile] = {}
     try:
-        files.update(zip(names, SafetensorsFile.open_all(names)))
+        opened = SafetensorsFile.open_all_reading(names, _offsets_read_ahead)
+        files.update(zip(names, (file for file, _ in opened)))
         if weight_map is not None:
             _check_index(index, weight_map, files)
         if len(names) == 1 and names[0] == path:
             _check_alone(path, files[path])
-        return SafetensorsSource(path, files)
+        return SafetensorsSource(path, files, [offsets for _, offsets in opened])
     except BaseException:
         for file in files.values():
             file.close()
@@ -360,10 +365,13 @@ def _check_index(
                 raise StorageError(f"{file.path}: tensor '{key}' is not in the index {index}")
 
 
-def _shards(files: dict[Path, SafetensorsFile]) -> StoredShards:
+def _shards(files: dict[Path, SafetensorsFile], offsets_read: Sequence[_Offsets | None] = ()
+            ) -> StoredShards:
     """Every stored chunk, grouped by key, with global shapes and the checks between chunks;
-    each located by its row (every file's tensors, file after file)."""
-    listed = [(file, _sharding_info(file)) for file in files.values()]
+    each located by its row (every file's tensors, file after file). ``offsets_read``: as
+    `SafetensorsSource` takes them."""
+    listed = [(file, read or _sharding_info(file)) for file, read in zip(
+        files.values(), itertools.chain(offsets_read, itertools.repeat(None)))]
     return _shards_in_bulk(listed) or _shards_key_by_key(listed)
 
 
@@ -437,6 +445,15 @@ def _sharding_info(file: SafetensorsFile) -> _Offsets:
     info = load_json(text, where, StorageError)
     offsets = _well_formed_offsets(info, file) or _offsets_entry_by_entry(info, file, where)
     return list(offsets), list(offsets.values())
+
+
+def _offsets_read_ahead(file: SafetensorsFile) -> _Offsets | None:
+    """`_sharding_info` of ``file`` where it is in the form DCP writes, read where its header
+    is read (`SafetensorsFile.open_all_reading`: the later half of a folder's files in a
+    child); None where there is none or it is in another form (`_sharding_info` then reads
+    it when the files are all open, so its faults come after every header's)."""
+    text = file.metadata.get(SHARDING_KEY)
+    return None if text is None else _offsets_in_written_form(text, file)
 
 
 def _offsets_in_written_form(text: str, file: SafetensorsFile) -> _Offsets | None:
