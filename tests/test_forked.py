@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import threading
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from safetensors_files import dcp_file, save
 
 from aoa import cli
 from aoa.errors import StorageError, UsageError
-from aoa.forked import forked
+from aoa.forked import forked, meanwhile
 from aoa.layout import ShardDesc, sharded_alike
 from aoa.mapping import read_shard_info, shard_info_read_aside
 from aoa.storage import safetensors as safetensors_module
@@ -70,6 +71,32 @@ def test_no_child_while_another_thread_runs() -> None:
         thread.join()
 
 
+def test_work_given_meanwhile_is_done_once_before_a_result_waits() -> None:
+    done = []
+    with meanwhile(lambda: done.append("meanwhile")):
+        with forked(lambda: done == []) as pending:  # (the child's copy of ``done``)
+            assert pending is not None and done == []
+            assert pending.result() is True
+            assert done == ["meanwhile"]
+        with forked(lambda: 2) as pending:
+            assert pending is not None and pending.result() == 2
+    assert done == ["meanwhile"]
+    with meanwhile(lambda: done.append("not asked")):
+        pass
+    with forked(lambda: 3) as pending:
+        assert pending is not None and pending.result() == 3
+    assert done == ["meanwhile"]
+
+
+def test_an_error_of_work_meanwhile_is_raised_where_the_result_is_asked() -> None:
+    def fail() -> None:
+        raise UsageError("no")
+
+    with meanwhile(fail), forked(lambda: 1) as pending, pytest.raises(UsageError):
+        assert pending is not None
+        pending.result()
+
+
 def _big_shard_info(path: Path, experts: int = 4000) -> dict[str, list[ShardDesc]]:
     """Shard-info JSON over 1 MB (read aside), as `json.dumps` writes it."""
     info = {f"layers.{n // 100}.experts.{n % 100}.weight": [
@@ -114,6 +141,45 @@ def test_a_bad_destination_is_reported_before_a_bad_source(tmp_path: Path, capsy
                      "--destination", str(path), "--output", str(tmp_path / "out")])
     assert code == cli.EXIT_USAGE
     assert capsys.readouterr().err.startswith(f"aoa: error: {path}:1:")  # not the source's
+
+
+def test_the_destination_read_while_the_source_is_opened_is_as_read_after(
+        tmp_path: Path, monkeypatch) -> None:
+    expected = _big_shard_info(tmp_path / "d.json")
+    _dcp_ranks(tmp_path / "source")
+    asked = []
+    args = cli.build_parser().parse_args(
+        ["convert", "m.aoa", "--source", str(tmp_path / "source"),
+         "--destination", str(tmp_path / "d.json"), "--output", str(tmp_path / "out")])
+    with shard_info_read_aside(args.destination, "destination") as result:
+        def destination() -> object:
+            asked.append([frame.name for frame in traceback.extract_stack()][-4:-1])
+            return result()
+
+        found, source = cli._source_then_destination(args, destination)
+    source.close()
+    assert found == expected
+    assert asked == [["open_all_reading", "result", "once"]]  # once, as the header child read
+
+
+@pytest.mark.parametrize("source_bad", [False, True])
+def test_a_bad_destination_made_meanwhile_is_reported_once_and_first(
+        tmp_path: Path, capsys, source_bad: bool) -> None:
+    _big_shard_info(tmp_path / "d.json")
+    path = tmp_path / "d.json"
+    path.write_text(path.read_text().replace('"global_shape": [8, 8]', '"global_shape": [3, 8]',
+                                             1))
+    folder = _dcp_ranks(tmp_path / "source")
+    if source_bad:
+        rank = folder / "rank-00001-of-00002.safetensors"
+        rank.write_bytes(rank.read_bytes()[:-4])
+    (tmp_path / "m.aoa").write_text("a -> b\n")
+    code = cli.main(["convert", str(tmp_path / "m.aoa"), "--source", str(folder),
+                     "--destination", str(path), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    with pytest.raises(UsageError) as here:
+        read_shard_info(path, "destination")
+    assert code == cli.EXIT_USAGE and err == f"aoa: {here.value.render()}\n"
 
 
 def _rank_files(folder: Path, ranks: int = 3, tensors: int = 16000) -> list[Path]:

@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from aoa.collector import collector_paused
 from aoa.errors import AoaError, UsageError
@@ -172,15 +172,22 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
+T = TypeVar("T")
+
+
 def _source_then_destination(args, destination: Callable[[], ShardInfo | None]
                              ) -> tuple[ShardInfo | None, Source]:
     """The `--destination`'s shard info (``destination()``: read aside meanwhile, by
     `aoa.mapping.shard_info_read_aside`) and the source, opened; the destination's faults
-    are reported first, as when it was read first."""
+    are reported first, as when it was read first. Its records are made while the source's
+    reader waits for a child of its own (`aoa.forked.meanwhile`), where it has one."""
+    from aoa.forked import meanwhile
     from aoa.storage.formats import open_source
 
+    destination = _once(destination)
     try:
-        checkpoint = open_source(args.source, args.source_format)
+        with meanwhile(destination):
+            checkpoint = open_source(args.source, args.source_format)
     except BaseException:
         destination()
         raise
@@ -189,6 +196,26 @@ def _source_then_destination(args, destination: Callable[[], ShardInfo | None]
     except BaseException:
         checkpoint.close()
         raise
+
+
+def _once(work: Callable[[], T]) -> Callable[[], T]:
+    """``work``, done the first time it is called; each call returns its result or raises
+    its error again."""
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def once() -> T:
+        if failed:
+            raise failed[0]
+        if not done:
+            try:
+                done.append(work())
+            except BaseException as error:
+                failed.append(error)
+                raise
+        return done[0]
+
+    return once
 
 
 def cmd_convert(args) -> int:

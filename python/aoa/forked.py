@@ -13,6 +13,10 @@ Anything amiss gives no result, and the caller does the work itself, in order: f
 not there (not Linux) or not safe (other threads run: a fork copies only the one calling),
 the function raised (its error is raised again, with its place, when the caller does the
 work), the child died. So a result, when there is one, is what the caller would have made.
+
+While a child works, this process need not wait idle: work it is to do afterwards anyway
+can be handed to `meanwhile` (`aoa convert` makes the `--destination`'s shard records while
+the header child reads, instead of after opening the source).
 """
 
 from __future__ import annotations
@@ -33,6 +37,23 @@ T = TypeVar("T")
 WORTH_A_CHILD_BYTES = 1 << 20
 
 
+#: Work to do instead of waiting for a child (`meanwhile`), in the order given.
+_meanwhile: list[Callable[[], object]] = []
+
+
+@contextlib.contextmanager
+def meanwhile(work: Callable[[], object]) -> Iterator[None]:
+    """``work()`` done, for the block, by the first `Pending.result` asked for in it (before
+    it waits for its child), or not at all. For work the caller does after the block anyway,
+    whose result or error it keeps: where it is done changes no result and no error."""
+    _meanwhile.append(work)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _meanwhile.remove(work)
+
+
 class Pending(Generic[T]):
     """A child at work on a function; `result` waits for it."""
 
@@ -42,9 +63,12 @@ class Pending(Generic[T]):
         self._waited = False
 
     def result(self) -> T | None:
-        """The function's result, or None where the child gave none (do the work here)."""
+        """The function's result, or None where the child gave none (do the work here).
+        Work given to `meanwhile` is done first, while the child works."""
         if self._waited:
             return None
+        while _meanwhile:
+            _meanwhile.pop(0)()
         with os.fdopen(self._pipe, "rb") as pipe:
             data = pipe.read()
         _, status = os.waitpid(self._pid, 0)
