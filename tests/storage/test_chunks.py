@@ -123,6 +123,10 @@ def test_fuzz_chunks_as_columns_make_the_same_shards(case, data):
     assert found == expected
     if isinstance(found, StoredShards):  # keys stored alike, as found, are sharded alike
         assert Shardings().of_keys(found.shards) == Shardings().of_keys(dict(found.shards))
+        assert found.made is not None  # every shard, in order, located as looked up
+        assert list(found.made[0]) == list(itertools.chain.from_iterable(found.shards.values()))
+        assert found.made[1] == [found.locations[(shard.key, shard.global_offset)]
+                                 for shard in found.made[0]]
     if chunks_module._well_typed(grouped, *columns[1:4]):  # as a format that checked them
         assert outcome(lambda: stored_shards(columns, typed=True)) == expected
 

@@ -164,6 +164,35 @@ def test_plan_windows_are_the_ranges_plan_buffers_read(tmp_path: Path) -> None:
     assert storage_error(windows, np.array([1, 0], np.int64)) == closed
 
 
+def test_the_shards_as_made_are_located_as_copies_of_them_are_looked_up(
+        tmp_path: Path) -> None:
+    """A plan asking for every shard the reader made, in its order (the very objects), is
+    given their locations without a look-up; the same shards as copies, or in another
+    order, are looked up: the rows, buffers and windows are the same either way."""
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    full = {"w": arange(4, 3), "v": arange(2, 2)}
+    for rank in range(2):
+        dcp_file(folder / f"rank-{rank:05d}-of-00002.safetensors",
+                 {"w": (full["w"][2 * rank:2 * rank + 2], [2 * rank, 0]),
+                  "v": (full["v"], [0, 0])})  # v replicated on both ranks
+    with open_source(folder) as checkpoint:
+        made = [shard for shards in checkpoint.shards.values() for shard in shards]
+        assert checkpoint.made_locations(made) is not None
+        copies = [ShardDesc(s.key, s.local_shape, s.global_shape, s.global_offset, s.dtype)
+                  for s in made]
+        assert checkpoint.made_locations(copies) is None
+        assert checkpoint.made_locations(made[::-1]) is None
+        assert [(s.key, s.global_offset) for s in made] == [("v", (0, 0)), ("w", (0, 0)),
+                                                            ("w", (2, 0))]
+        assert checkpoint.locations(made) == checkpoint.locations(copies) == [0, 1, 3]
+        everything = np.arange(len(made))
+        assert (checkpoint.plan_windows(made)(everything)[1].tolist()
+                == checkpoint.plan_windows(copies)(everything)[1].tolist())
+        assert [bytes(view) for view in checkpoint.plan_buffers(made)([0, 1, 2])] == [
+            full["v"].tobytes(), full["w"][:2].tobytes(), full["w"][2:].tobytes()]
+
+
 def test_a_closed_source_names_the_file_and_the_tensor_asked(tmp_path: Path) -> None:
     save_file({"a": arange(2)}, tmp_path / "model-00001-of-00002.safetensors")
     save_file({"b": arange(3)}, tmp_path / "model-00002-of-00002.safetensors")

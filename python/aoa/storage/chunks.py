@@ -127,15 +127,18 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
     # (where each row is its own location, as a folder's rows are, the chosen rows are theirs:
     # no new int per shard to look up)
     rows_located = type(locations) is range and locations == range(len(keys))
-    located = dict(zip(zip(shard_keys, shard_offsets),
-                       chosen if rows_located else map(locations.__getitem__, chosen)))
+    chosen_locations = (list(chosen) if rows_located else
+                        list(map(locations.__getitem__, chosen)))
+    located = dict(zip(zip(shard_keys, shard_offsets), chosen_locations))
     for position, found in closely.items():
         by_key[position] = [shard for shard, _ in found]
         alike[position] = position  # made by the full checks: alike no other, for all we know
         located.update(((shard.key, shard.global_offset), location)
                        for shard, location in found)
-    return StoredShards(ReadShardInfo.made(names, by_key, alike, None if closely else shards),
-                        located)
+    if closely:
+        return _stored(ReadShardInfo.made(names, by_key, alike), located)
+    return StoredShards(ReadShardInfo.made(names, by_key, alike, shards), located,
+                        (tuple(shards), chosen_locations))
 
 
 _Cut = tuple[list[int], tuple[int, ...]]
@@ -201,9 +204,19 @@ def _chunks_by_key(columns: ChunkColumns) -> dict[str, list[Chunk]]:
 
 def as_stored(found: Mapping[str, Sequence[tuple[ShardDesc, object]]]) -> StoredShards:
     """Each key's (shard, location) pairs as `StoredShards`."""
-    return StoredShards({key: [shard for shard, _ in pairs] for key, pairs in found.items()},
-                        {(shard.key, shard.global_offset): location
-                         for pairs in found.values() for shard, location in pairs})
+    return _stored({key: [shard for shard, _ in pairs] for key, pairs in found.items()},
+                   {(shard.key, shard.global_offset): location
+                    for pairs in found.values() for shard, location in pairs})
+
+
+def _stored(shards: dict[str, list[ShardDesc]],
+            located: dict[tuple[str, tuple[int, ...]], object]) -> StoredShards:
+    """`StoredShards` of each key's shards and their locations, every shard in one list
+    with its location as looked up (`StoredShards.made`; shards of no elements may share a
+    global offset, and so their location)."""
+    made = tuple(itertools.chain.from_iterable(shards.values()))
+    return StoredShards(shards, located, (made, list(map(located.__getitem__, zip(
+        map(_KEY, made), map(_GLOBAL_OFFSET, made))))))
 
 
 def key_shards(key: str, chunks: Sequence[Chunk],
@@ -317,6 +330,7 @@ _INT_ONLY = frozenset({int})
 _STR_ONLY = frozenset({str})
 _TUPLE_ONLY = frozenset({tuple})
 _GLOBAL_OFFSET = operator.attrgetter("global_offset")
+_KEY = operator.attrgetter("key")
 _LOCAL_SHAPE = operator.attrgetter("local_shape")
 _DTYPE = operator.attrgetter("dtype")
 _BOX_AND_DTYPE = operator.attrgetter("global_offset", "local_shape", "dtype")

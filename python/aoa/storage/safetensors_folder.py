@@ -179,9 +179,13 @@ class SafetensorsSource(Source[int]):
         last = self._last_plan
         if last is not None and last[0] is shards:
             return last[1]
-        keys = zip(map(_KEY, shards), map(_GLOBAL_OFFSET, shards))
-        rows = np.fromiter(map(self._locations.get, keys, itertools.repeat(-1)), np.int64,
-                           count=len(shards))
+        made = self.made_locations(shards)
+        if made is not None:
+            rows = np.array(made, np.int64)
+        else:
+            keys = zip(map(_KEY, shards), map(_GLOBAL_OFFSET, shards))
+            rows = np.fromiter(map(self._locations.get, keys, itertools.repeat(-1)), np.int64,
+                               count=len(shards))
         self._last_plan = (shards, rows)
         return rows
 
