@@ -31,9 +31,12 @@ def outcome(read):
     """What ``read()`` returns, or the error it raises (its class, message and hint; an
     unknown dtype, which no format gives, is a KeyError either way)."""
     try:
-        return read()
+        found = read()
     except Exception as error:
         return type(error), str(error), getattr(error, "hint", None)
+    if isinstance(found, StoredShards):  # (its location dict, made where not made yet)
+        return found._replace(locations=found.by_place())
+    return found
 
 
 def both_ways(read):

@@ -129,16 +129,16 @@ def stored_shards(columns: ChunkColumns, *, typed: bool = False) -> StoredShards
     rows_located = type(locations) is range and locations == range(len(keys))
     chosen_locations = (list(chosen) if rows_located else
                         list(map(locations.__getitem__, chosen)))
+    if not closely:  # (the location dict made where asked: a conversion never asks)
+        return StoredShards(ReadShardInfo.made(names, by_key, alike, shards), None,
+                            (tuple(shards), chosen_locations))
     located = dict(zip(zip(shard_keys, shard_offsets), chosen_locations))
     for position, found in closely.items():
         by_key[position] = [shard for shard, _ in found]
         alike[position] = position  # made by the full checks: alike no other, for all we know
         located.update(((shard.key, shard.global_offset), location)
                        for shard, location in found)
-    if closely:
-        return _stored(ReadShardInfo.made(names, by_key, alike), located)
-    return StoredShards(ReadShardInfo.made(names, by_key, alike, shards), located,
-                        (tuple(shards), chosen_locations))
+    return _stored(ReadShardInfo.made(names, by_key, alike), located)
 
 
 _Cut = tuple[list[int], tuple[int, ...]]

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import itertools
 import operator
@@ -106,11 +107,20 @@ class StoredShards(NamedTuple):
     """A source's shards as a format made them in bulk: each key's distinct shards, sorted
     by global offset, and the location of each by (key, global offset). ``made``: where the
     format made every key's shards in one list, that list and each one's location, in order
-    (a plan asks for exactly those: their locations need no look-up)."""
+    (a plan asks for exactly those: their locations need no look-up); then ``locations``
+    may be None, made from ``made`` where first asked (`by_place`; a conversion never asks)."""
 
     shards: dict[str, list[ShardDesc]]
-    locations: dict[tuple[str, tuple[int, ...]], Any]
+    locations: dict[tuple[str, tuple[int, ...]], Any] | None
     made: tuple[Sequence[ShardDesc], Sequence[Any]] | None = None
+
+    def by_place(self) -> dict[tuple[str, tuple[int, ...]], Any]:
+        """Each shard's location by (key, global offset)."""
+        if self.locations is not None:
+            return self.locations
+        assert self.made is not None
+        shards, locations = self.made
+        return dict(zip(zip(map(_KEY, shards), map(_GLOBAL_OFFSET, shards)), locations))
 
 
 class Source(ABC, Generic[Location]):
@@ -128,13 +138,19 @@ class Source(ABC, Generic[Location]):
         if isinstance(stored, StoredShards):
             #: each key's distinct shards, sorted by global offset
             self.shards: dict[str, list[ShardDesc]] = stored.shards
-            self._locations: dict[tuple[str, tuple[int, ...]], Location] = stored.locations
+            self._stored = stored
             self._made = stored.made
             return
         self._made = None
         self.shards = {key: [shard for shard, _ in found] for key, found in stored.items()}
-        self._locations = {(shard.key, shard.global_offset): location
-                           for found in stored.values() for shard, location in found}
+        self._stored = StoredShards(self.shards, {
+            (shard.key, shard.global_offset): location
+            for found in stored.values() for shard, location in found})
+
+    @functools.cached_property
+    def _locations(self) -> dict[tuple[str, tuple[int, ...]], Location]:
+        """Each shard's location by (key, global offset), made when first asked."""
+        return self._stored.by_place()
 
     def location(self, shard: ShardDesc) -> Location:
         """Where the stored shard of ``shard``'s key at its global offset is."""
