@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 # numpy and the kernel): `aoa --help` needs none of them (issue 13, goal 6).
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+T = TypeVar("T")
 #: Signals that stop a command: each ends it with one line and exit 130, after the files it
 #: was writing are removed.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
@@ -170,9 +171,6 @@ def cmd_check(args) -> int:
     print(f"ok: {len(compilation.program.statements)} statements after expansion, "
           f"{len(compilation.ctx.notes)} notes")
     return EXIT_OK
-
-
-T = TypeVar("T")
 
 
 def _source_then_destination(args, destination: Callable[[], ShardInfo | None]
