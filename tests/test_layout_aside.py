@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,3 +131,26 @@ def test_a_layout_is_taken_only_for_the_listings_shards(checkpoint: Path, laid_o
         else:
             here = DcpSafetensorsDestination("/x", shards, files).layout(files[0])
             assert layout is not None and layout.fixed == here.fixed
+
+
+def test_the_commands_output_ends_with_it_not_with_the_grandchild(checkpoint: Path) -> None:
+    """A grandchild still at work (here: for 20 s) holds none of the command's
+    descriptors: whoever reads its output is not kept waiting."""
+    script = f"""
+import time
+import aoa.forked
+from aoa import cli
+from aoa.storage import layout_aside
+aoa.forked.WORTH_A_CHILD_BYTES = 0
+layout_aside.WORTH_A_GRANDCHILD_SHARDS = 1
+layout_aside._rank_zero_layout = lambda rows: time.sleep(20)
+raise SystemExit(cli.main(["convert", {str(checkpoint / "map.aoa")!r}, "--source",
+                           {str(checkpoint / "model.safetensors")!r}, "--destination",
+                           {str(checkpoint / "d.json")!r}, "--output",
+                           {str(checkpoint / "out")!r}]))
+"""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=40,
+                          check=True)
+    assert time.monotonic() - start < 15
+    assert b"wrote 2 files" in done.stdout

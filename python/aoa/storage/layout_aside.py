@@ -81,7 +81,8 @@ class LayoutAside:
     def lay_out_aside(self, rows: ShardRows) -> None:
         """In the child, with the listing's rows: fork a grandchild laying out rank 0's
         file, and go on at once. The grandchild keeps no other descriptor (the child's
-        pipe to this process ends when the child does)."""
+        pipe to this process ends when the child does, and the command's output when the
+        command does); one this process did not wait for ends on its own, its work lost."""
         if sum(map(len, rows[1])) < WORTH_A_GRANDCHILD_SHARDS:
             return
         if os.fork() != 0:
@@ -93,6 +94,10 @@ class LayoutAside:
                 if int(name) > 2 and int(name) not in keep:
                     with contextlib.suppress(OSError):
                         os.close(int(name))
+            nowhere = os.open(os.devnull, os.O_RDWR)
+            for standard in (0, 1, 2):  # a pipe reading the command's output ends with it
+                os.dup2(nowhere, standard)
+            os.close(nowhere)
             os.nice(19)  # the second core's spare time only
             data = memoryview(pickle.dumps(_rank_zero_layout(rows), pickle.HIGHEST_PROTOCOL))
             done = 0
