@@ -202,26 +202,6 @@ def test_the_first_files_header_is_written_before_its_shards_are_filled(
         assert (tmp_path / str(number)).read_bytes() == expected(layout)
 
 
-def test_the_first_files_buffers_of_shards_grow_from_a_short_fill(tmp_path: Path,
-                                                                   monkeypatch) -> None:
-    """2, 4, 8 ... blocks, then whole buffers; a later file fills whole buffers at once."""
-    monkeypatch.setattr(writer, "FIRST_FILL_BYTES", 2 * ALIGNMENT)
-    lengths: list[int] = []
-    submit = writer._Writes.submit
-    monkeypatch.setattr(writer._Writes, "submit", lambda self, buffer, offset, length: (
-        lengths.append(length), submit(self, buffer, offset, length)))
-    layout = FileLayout(40 * ALIGNMENT, [], [ShardSpan(i, 64 * i, 64, 4) for i in range(2560)])
-    with StagingBuffers(3, 8 * ALIGNMENT) as buffers:
-        for number in range(2):
-            start_file(tmp_path / str(number), layout, Recorder(layout), buffers)
-        buffers.finish()
-    first = [2 * ALIGNMENT, 4 * ALIGNMENT, 8 * ALIGNMENT, 8 * ALIGNMENT, 8 * ALIGNMENT,
-             8 * ALIGNMENT, 2 * ALIGNMENT]
-    assert lengths == first + [8 * ALIGNMENT] * 5
-    for number in range(2):
-        assert (tmp_path / str(number)).read_bytes() == expected(layout)
-
-
 def small_layout() -> FileLayout:
     return FileLayout(3 * ALIGNMENT + 10, [(0, b"header")],
                       [ShardSpan(0, 16, 3 * ALIGNMENT - 8, 4)])

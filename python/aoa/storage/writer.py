@@ -25,8 +25,7 @@ finish in the background while the next file is laid out and filled, so the disk
 wait for the filling, nor the filling for the disk, at each file's end. The first file of
 a write (the disk idle) hands its header (from `HEADER_AHEAD_BYTES`) to the writers before
 its first shard is filled, so the disk starts while the first fill is made ready
-(`aoa.jobs.convert.write` makes the executor then), and fills buffers of 2, 4, 8 ... MB
-before whole ones, so the disk waits for a short fill, not a 32 MB one.
+(`aoa.jobs.convert.write` makes the executor then).
 """
 
 from __future__ import annotations
@@ -58,11 +57,6 @@ BUFFERS = 4
 WRITERS = 2
 #: A header from this size goes to idle writers before the shards after it are filled.
 HEADER_AHEAD_BYTES = 1 << 20
-#: The first buffer of shards a write fills holds this much, each next one twice the last
-#: (up to `BUFFER_BYTES`): the idle disk gets bytes after a short fill, and each fill is
-#: done before the disk has written the last (the kernel fills ~1 GB/s, the disk writes
-#: 0.3-0.6 GB/s here).
-FIRST_FILL_BYTES = 2 << 20
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -219,7 +213,7 @@ def start_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffe
         raise
     stream: _Stream | None = None
     try:
-        stream = _Stream(writes, fill, ramp=idle)
+        stream = _Stream(writes, fill)
         done = 0
         for offset, data in fixed:
             before = int(np.searchsorted(spans.offsets, offset))
@@ -320,16 +314,12 @@ class _Stream:
     """Places the file's bytes, in order, into staging buffers; a full buffer is filled by
     the kernel and handed to the writers."""
 
-    def __init__(self, writes: _Writes, fill: Fill, *, ramp: bool = False) -> None:
+    def __init__(self, writes: _Writes, fill: Fill) -> None:
         self._writes = writes
         self._fill = fill
         self._buffer = writes.take()
         self._held = True  # whether the buffer is this stream's, not yet handed to the writers
-        #: bytes placed in a buffer before it is filled: the whole buffer, or, where the
-        #: ``ramp`` is asked for (the write's first file), `FIRST_FILL_BYTES` until a buffer
-        #: holding shards doubles it
-        self._capacity = (min(FIRST_FILL_BYTES, len(self._buffer)) if ramp
-                          else len(self._buffer))
+        self._capacity = len(self._buffer)
         self._start = 0  # file offset of the buffer's first byte (aligned)
         self._used = 0  # bytes placed in the buffer
         # the buffer's pieces so far, in runs: (shards, offsets, nbytes, firsts, lasts)
@@ -402,10 +392,8 @@ class _Stream:
 
     def flush(self, last: bool = False) -> None:
         """Fill the buffer's pieces, hand the buffer to the writers up to its last whole
-        block (all of it, padded, when ``last``), and start the next with the rest; the
-        next holds twice as much as this one where it held shards (see `_capacity`)."""
-        filled = bool(self._pieces)
-        if filled:
+        block (all of it, padded, when ``last``), and start the next with the rest."""
+        if self._pieces:
             pieces = StagedPieces(self._buffer, *(np.concatenate(column)
                                                   for column in zip(*self._pieces)))
             self._pieces = []
@@ -426,8 +414,6 @@ class _Stream:
         self._writes.submit(self._buffer, self._start, aligned)
         self._buffer = self._writes.take()
         self._held = True
-        if filled:
-            self._capacity = min(2 * self._capacity, len(self._buffer))
         self._buffer[:len(tail)] = tail
         self._start += aligned
         self._used = len(tail)
