@@ -176,32 +176,6 @@ def test_one_fill_per_buffer(tmp_path: Path) -> None:
     assert (tmp_path / "f").read_bytes() == expected(layout)
 
 
-def test_the_first_files_header_is_written_before_its_shards_are_filled(
-        tmp_path: Path, monkeypatch) -> None:
-    """The write's first file only (the disk is idle then), and a header from
-    `HEADER_AHEAD_BYTES` only."""
-    monkeypatch.setattr(writer, "HEADER_AHEAD_BYTES", ALIGNMENT)
-    events: list[object] = []
-    submit = writer._Writes.submit
-    monkeypatch.setattr(writer._Writes, "submit", lambda self, buffer, offset, length: (
-        events.append(("write", offset, length)), submit(self, buffer, offset, length)))
-    header = bytes(range(256)) * 33  # two blocks and a part
-    layouts = [FileLayout(len(header) + 4000, [(0, header)],
-                          [ShardSpan(0, len(header), 4000, 4)]),
-               FileLayout(8000, [(0, b"short")], [ShardSpan(0, 8, 4000, 4)])]
-    with StagingBuffers(2, 4 * ALIGNMENT) as buffers:
-        for number, layout in enumerate([*layouts, layouts[0]]):
-            fill = Recorder(layout)
-            start_file(tmp_path / str(number), layout,
-                       lambda pieces, fill=fill: (events.append("fill"), fill(pieces)),
-                       buffers)
-        buffers.finish()
-    assert events == [("write", 0, 2 * ALIGNMENT), "fill", ("write", 2 * ALIGNMENT, 2 * ALIGNMENT),
-                      "fill", ("write", 0, 2 * ALIGNMENT), "fill", ("write", 0, 4 * ALIGNMENT)]
-    for number, layout in enumerate([*layouts, layouts[0]]):
-        assert (tmp_path / str(number)).read_bytes() == expected(layout)
-
-
 def small_layout() -> FileLayout:
     return FileLayout(3 * ALIGNMENT + 10, [(0, b"header")],
                       [ShardSpan(0, 16, 3 * ALIGNMENT - 8, 4)])

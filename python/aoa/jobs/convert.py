@@ -26,15 +26,7 @@ from aoa.layout import ShardDesc
 from aoa.mapping import MappingText, as_mapping
 from aoa.mesh_layout import MeshLayout
 from aoa.plan import Plan
-from aoa.runtime.executor import PlanExecutor
-from aoa.storage.formats import (
-    Destination,
-    Format,
-    OutputFile,
-    Piece,
-    Source,
-    format_named,
-)
+from aoa.storage.formats import Destination, Format, OutputFile, Source, format_named
 from aoa.storage.layout_aside import LayoutAside
 from aoa.storage.stacked import Stacking, stack_shards
 
@@ -210,19 +202,10 @@ def write(conversion: Conversion, destination: Destination, files: Sequence[Outp
           progress: Callable[[int], None] | None = None) -> list[Path]:
     """Fill and finish ``files`` of the conversion (all, or a rank's share).
 
-    The executor is made at the first fill, once the first file's header is with the
-    writers (`aoa.storage.writer.start_file`): the disk writes it meanwhile (at 61x256, a
-    6 MB header and 55-70 ms of lowering the plan). The cyclic garbage collector waits
-    meanwhile: the write makes a few short-lived objects per copy and no cycles, while each
-    of its full collections walks the whole plan again (at 61x256, 189k copies: a third of
-    the conversion's time, `bench/small_tensors.py`)."""
-    made: list[PlanExecutor] = []
-
-    def fill(pieces: Sequence[Piece]) -> None:
-        if not made:
-            made.append(conversion.job.executor(backend=backend, threads=threads,
-                                                progress=progress, clear_untouched=True))
-        made[0].fill(pieces)
-
+    The cyclic garbage collector waits meanwhile: the write makes a few short-lived objects
+    per copy and no cycles, while each of its full collections walks the whole plan again
+    (at 61x256, 189k copies: a third of the conversion's time, `bench/small_tensors.py`)."""
     with collector_paused():
-        return destination.write(fill, files)
+        executor = conversion.job.executor(backend=backend, threads=threads,
+                                           progress=progress, clear_untouched=True)
+        return destination.write(executor.fill, files)

@@ -22,10 +22,7 @@ anything is copied rather than halfway through.
 Files of one write go one after the other through the same buffers (`start_file`): once a
 file's last buffer is handed to the writers, its last writes, its truncation and its fsync
 finish in the background while the next file is laid out and filled, so the disk does not
-wait for the filling, nor the filling for the disk, at each file's end. The first file of
-a write (the disk idle) hands its header (from `HEADER_AHEAD_BYTES`) to the writers before
-its first shard is filled, so the disk starts while the first fill is made ready
-(`aoa.jobs.convert.write` makes the executor then).
+wait for the filling, nor the filling for the disk, at each file's end.
 """
 
 from __future__ import annotations
@@ -55,8 +52,6 @@ BUFFER_BYTES = 32 << 20
 BUFFERS = 4
 #: Threads writing buffers at once (direct writes at a queue depth above one).
 WRITERS = 2
-#: A header from this size goes to idle writers before the shards after it are filled.
-HEADER_AHEAD_BYTES = 1 << 20
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -202,7 +197,6 @@ def start_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffe
     raises here, having waited for the file's writes in flight; the caller removes the file.
     A file started before that failed to finish is raised here, before this one starts."""
     buffers.check()
-    idle = not buffers.finishing  # the write's first file: the disk has nothing to do
     fixed, spans = _items(path, layout)
     fd, direct = _open(path, direct)
     try:
@@ -221,8 +215,6 @@ def start_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffe
             done = before
             stream.zeros(offset - stream.position)
             stream.put(data)
-            if idle and not done and stream.position >= HEADER_AHEAD_BYTES:
-                stream.flush()  # the disk writes the header while the shards are filled
         stream.shards(spans.part(done, len(spans.offsets)))
         stream.zeros(layout.size - stream.position)
         stream.flush(last=True)
