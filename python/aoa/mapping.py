@@ -71,41 +71,24 @@ def shard_info_read_aside(path: str | os.PathLike[str] | None, what: str
     does other work meanwhile (opens the source: one core each) and then calls the function
     given for the result. The child reads and checks text in `json.dumps`'s form and hands
     its rows over; any other text, a fault, or no child: the function reads it here, so the
-    result and every error are those of `read_shard_info`, only later. A ``destination``
-    listing's child also has its first rank file laid out aside, for `aoa.jobs.convert`
-    to take if it writes that file (`aoa.storage.layout_aside`)."""
+    result and every error are those of `read_shard_info`, only later."""
     from aoa.forked import forked
-    from aoa.storage.layout_aside import LayoutAside
 
     if path is None or not _worth_a_child(path):
         yield lambda: read_shard_info(path, what)
         return
     text_path = path
-    aside = LayoutAside.begin() if what == "destination" else None
 
     def rows() -> ShardRows | None:
-        found = regular_shard_rows(read_text(text_path, f"{what} shard info"))
-        if found is not None and aside is not None:
-            aside.lay_out_aside(found)
-        return found
+        return regular_shard_rows(read_text(text_path, f"{what} shard info"))
 
     with forked(rows) as pending:
-        if aside is not None:
-            aside.started()
-            if pending is None:
-                aside.close()
-
         def result() -> dict[str, list[ShardDesc]] | None:
             found = None if pending is None else pending.result()
             if found is None:
-                if aside is not None:
-                    aside.close()
                 return read_shard_info(path, what)
             with collector_paused():
-                listing = ShardDesc.grouped_unchecked(*found)
-            if aside is not None:
-                aside.offer(listing)
-            return listing
+                return ShardDesc.grouped_unchecked(*found)
 
         yield result
 

@@ -10,7 +10,6 @@ files' mappings, and their pages dropped once read.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +26,6 @@ from aoa.mapping import MappingText, as_mapping
 from aoa.mesh_layout import MeshLayout
 from aoa.plan import Plan
 from aoa.storage.formats import Destination, Format, OutputFile, Source, format_named
-from aoa.storage.layout_aside import LayoutAside
 from aoa.storage.stacked import Stacking, stack_shards
 
 
@@ -46,8 +44,6 @@ class Conversion:
     objects: dict[str, bytes] | None = None
     #: what the destination said about the write (a file system refusing direct I/O)
     write_notes: list[str] = field(default_factory=list)
-    #: the first file's layout, being made while the plan was (`aoa.storage.layout_aside`)
-    layout_aside: LayoutAside | None = field(default=None, repr=False, compare=False)
 
     @property
     def plan(self) -> Plan:
@@ -75,13 +71,8 @@ class Conversion:
         objects = self.objects
         if objects is None:
             objects = source.objects() if source.format in destination.objects_family else {}
-        made = destination(output, self.shards, self.files, source.extras(), objects,
+        return destination(output, self.shards, self.files, source.extras(), objects,
                            direct=direct)
-        aside, self.layout_aside = self.layout_aside, None
-        if aside is not None and self.files:
-            made.laid_out[self.files[0].filename] = functools.partial(
-                aside.take, self.shards, self.files[0])
-        return made
 
     def describe(self) -> str:
         assert self.format.destination is not None
@@ -116,10 +107,10 @@ def destination_shards(mapping: MappingText, source: ShardInfo, *,
         return shards.by_key, shards.ranks
     if destination is None:
         return None, None
-    return destination, ranks_of_listing(list(map(len, destination.values())))
+    return destination, _ranks_of_listing(list(map(len, destination.values())))
 
 
-def ranks_of_listing(counts: list[int]) -> list[list[int]]:
+def _ranks_of_listing(counts: list[int]) -> list[list[int]]:
     """Rank i's positions in a key-by-key listing of shards, ``counts[k]`` shards of key k:
     the i-th of each key that has one (numbered with numpy: 125k shards in milliseconds)."""
     sizes = np.array(counts, np.int64)
@@ -162,22 +153,7 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
     files = format.destination.plan_files(stored or job.plan.destinations, ranks,
                                           max_file_bytes=max_file_bytes)
     return Conversion(job, format, files, stored=stored,
-                      objects=None if objects is None else dict(objects),
-                      layout_aside=_layout_aside(destination, layout, format, stacking))
-
-
-def _layout_aside(destination: ShardInfo | None, layout: MeshLayout | None, format: Format,
-                  stacking: Sequence[Stacking]) -> LayoutAside | None:
-    """The layout of the first file begun while ``destination`` was read, where the files
-    are those of its listing as given: its ranks, ``dcp-safetensors``, no stacking."""
-    aside = LayoutAside.pending
-    if aside is None or aside.listing is not destination:
-        return None
-    if layout is not None or format.name != "dcp-safetensors" or stacking:
-        aside.close()
-        return None
-    LayoutAside.pending = None
-    return aside
+                      objects=None if objects is None else dict(objects))
 
 
 def execute(conversion: Conversion, output: str | Path, *, threads: int | None = None,

@@ -328,9 +328,6 @@ class Destination(ABC):
         #: what a person should know about the write (said once): a refused O_DIRECT
         self.notes: list[str] = []
         self.output = OutputFolder(self.folder, checkpoint_patterns)
-        #: layouts made ahead, by file name: `write_file` asks for one there (when it
-        #: needs it, None: not made) before it asks `layout`
-        self.laid_out: dict[str, Callable[[], FileLayout | None]] = {}
 
     # -- what a format says ----------------------------------------------------------------
 
@@ -385,11 +382,7 @@ class Destination(ABC):
         from aoa.storage.writer import StagingBuffers, start_file
 
         assert isinstance(buffers, StagingBuffers)
-        made = self.laid_out.pop(file.filename, None)
-        layout = None if made is None else made()
-        if layout is None:
-            layout = self.layout(file)
-        started = start_file(path, layout, fill, buffers, direct=self.direct)
+        started = start_file(path, self.layout(file), fill, buffers, direct=self.direct)
         if not started.direct:
             self._refused()
 
