@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from in_turn import in_turn
 
 
 def measure(work: str) -> tuple[float, float]:
@@ -52,16 +55,12 @@ def main() -> None:
         gc.disable()  # as the command runs
         print(*measure(args.work))
         return
-    pythons = [("this", sys.executable)] + ([("against", args.against)] if args.against
-                                             else [])
-    found: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in pythons}
-    for repeat in range(1, args.repeats + 1):
-        for name, python in pythons:
-            line = subprocess.run([python, __file__, args.work, "--once"], check=True,
-                                  capture_output=True, text=True).stdout.split()
-            wall, cpu = map(float, line)
-            found[name].append((wall, cpu))
-            print(f"{repeat} {name:8s} {wall:.3f} s wall, {cpu:.3f} s CPU")
+    found: dict[str, list[tuple[float, float]]] = {}
+    for repeat, name, line in in_turn(__file__, lambda _: [args.work, "--once"],
+                                      args.repeats, args.against):
+        wall, cpu = map(float, line.split())
+        found.setdefault(name, []).append((wall, cpu))
+        print(f"{repeat} {name:8s} {wall:.3f} s wall, {cpu:.3f} s CPU")
     for name, runs in found.items():
         print(f"median {name:8s} {statistics.median(w for w, _ in runs):.3f} s wall, "
               f"{statistics.median(c for _, c in runs):.3f} s CPU")

@@ -19,10 +19,12 @@ import argparse
 import gc
 import itertools
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from in_turn import in_turn
 
 
 def measure(work: Path, output: Path) -> str:
@@ -63,15 +65,12 @@ def main() -> None:
     if args.output is not None:
         print(measure(args.work, args.output))
         return
-    pythons = [("this", sys.executable)] + ([("against", args.against)] if args.against
-                                             else [])
     print("seconds: wall/CPU of this process; main thread: CPU of execute's own thread")
-    for repeat in range(1, args.repeats + 1):
-        for place, (name, python) in enumerate(pythons):
-            line = subprocess.run([python, __file__, str(args.work), "--output",
-                                   str(args.work / f"out-phases-{place}")], check=True,
-                                  capture_output=True, text=True).stdout.strip()
-            print(f"{repeat} {name:8s} {line}")
+    for repeat, name, line in in_turn(
+            __file__, lambda place: [str(args.work), "--output",
+                                     str(args.work / f"out-phases-{place}")],
+            args.repeats, args.against):
+        print(f"{repeat} {name:8s} {line}")
 
 
 if __name__ == "__main__":

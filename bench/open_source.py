@@ -12,9 +12,12 @@ Usage: python bench/open_source.py FOLDER [--repeats 3] [--against OTHER/bin/pyt
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from in_turn import in_turn
 
 
 def measure(folder: str) -> str:
@@ -39,13 +42,10 @@ def main() -> None:
     if args.once:
         print(measure(args.folder))
         return
-    pythons = [("this", sys.executable)] + ([("against", args.against)] if args.against
-                                             else [])
-    for repeat in range(1, args.repeats + 1):
-        for name, python in pythons:  # each in a fresh process, as a command would open it
-            line = subprocess.run([python, __file__, args.folder, "--once"], check=True,
-                                  capture_output=True, text=True).stdout.strip()
-            print(f"{repeat} {name:8s} {line}")
+    # each in a fresh process, as a command would open it
+    for repeat, name, line in in_turn(__file__, lambda _: [args.folder, "--once"],
+                                      args.repeats, args.against):
+        print(f"{repeat} {name:8s} {line}")
 
 
 if __name__ == "__main__":
