@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from in_turn import in_turn
+from in_turn import parser as in_turn_parser
 
 
 def measure(work: str) -> tuple[float, float]:
@@ -43,10 +44,7 @@ def measure(work: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("work")
-    parser.add_argument("--repeats", type=int, default=8)
-    parser.add_argument("--against", help="another Python whose aoa to time in turn")
+    parser = in_turn_parser(__doc__, "work", 8)
     parser.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.once:

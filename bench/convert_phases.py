@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from in_turn import in_turn
+from in_turn import parser as in_turn_parser
 
 
 def measure(work: Path, output: Path) -> str:
@@ -56,19 +57,17 @@ def measure(work: Path, output: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("work", type=Path)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--against", help="another Python whose aoa to time in turn")
+    parser = in_turn_parser(__doc__, "work", 3)
     parser.add_argument("--output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    work = Path(args.work)
     if args.output is not None:
-        print(measure(args.work, args.output))
+        print(measure(work, args.output))
         return
     print("seconds: wall/CPU of this process; main thread: CPU of execute's own thread")
     for repeat, name, line in in_turn(
-            __file__, lambda place: [str(args.work), "--output",
-                                     str(args.work / f"out-phases-{place}")],
+            __file__, lambda place: [str(work), "--output",
+                                     str(work / f"out-phases-{place}")],
             args.repeats, args.against):
         print(f"{repeat} {name:8s} {line}")
 

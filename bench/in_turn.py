@@ -4,9 +4,20 @@ virtual environment of an older commit), so that both see the same machine."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
+
+
+def parser(doc: str, work: str, repeats: int) -> argparse.ArgumentParser:
+    """The options such a script takes: its ``work`` (a folder), ``--repeats`` (default
+    ``repeats``) and ``--against``; it adds the hidden one its single measurement runs by."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument(work)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--against", help="another Python whose aoa to time in turn")
+    return parser
 
 
 def in_turn(script: str, arguments: Callable[[int], Sequence[str]], repeats: int,

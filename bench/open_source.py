@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from in_turn import in_turn
+from in_turn import parser as in_turn_parser
 
 
 def measure(folder: str) -> str:
@@ -33,10 +34,7 @@ def measure(folder: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--against", help="another Python whose aoa to time in turn")
+    parser = in_turn_parser(__doc__, "folder", 3)
     parser.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.once:
