@@ -8,7 +8,8 @@ given as ``--destination`` JSON. Each repeat times, one after another:
 
   compile   ``aoa.compile(statements, source shards, destination shards)`` in this process
   convert   prepare + execute in this process (open the source, compile, plan, write, fsync)
-  command   ``aoa convert`` as a user runs it: a fresh process, start to exit
+  command   ``aoa convert`` as a user runs it: a fresh process, start to exit, with its
+            peak RSS (the largest of it and the children it waited for, as /usr/bin/time says)
 
 and the goal is convert <= 2x compile (no per-tensor work beyond planning). The command
 adds Python's start-up and imports: aoa's modules run from their compiled bytecode, as an
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -57,6 +59,20 @@ def make_source(folder: Path, layout: dict[str, list[tuple]]) -> None:
 
         write_safetensors(folder / f"rank-{rank:05d}-of-{ranks:05d}.safetensors", shards,
                           {"DCP_SHARDING_INFO": json.dumps(info), "DCP_VERSION": "1.0"}, fill)
+
+
+def run_command(command: list[str]) -> tuple[float, int]:
+    """Seconds from the command's start to its exit, and its peak RSS in bytes."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert process.stderr is not None
+    errors = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise SystemExit(f"the command failed ({process.returncode}): {errors.decode()}")
+    return seconds, usage.ru_maxrss * 1024
 
 
 def main() -> None:
@@ -96,21 +112,19 @@ def main() -> None:
         converted = time.perf_counter() - start
         nbytes = conversion.nbytes
         shutil.rmtree(work / "out-command", ignore_errors=True)
-        start = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True)
-        commanded = time.perf_counter() - start
-        rows.append((compiled, converted, commanded))
+        commanded, peak = run_command(command)
+        rows.append((compiled, converted, commanded, peak))
         print(f"repeat {repeat + 1}: compile {compiled:.3f} s, convert {converted:.3f} s, "
-              f"command {commanded:.3f} s", file=sys.stderr)
+              f"command {commanded:.3f} s, peak RSS {peak / 1e6:.0f} MB", file=sys.stderr)
     shards = sum(len(v) for v in model.destination.values())
     print(f"{args.layers}x{args.experts}: {len(model.source):,} source tensors, "
           f"{model.source_shards:,} source shards, {shards:,} destination shards, "
           f"{nbytes / 1e6:.0f} MB written")
     print(f"{'repeat':>6s}{'compile s':>11s}{'convert s':>11s}{'ratio':>7s}{'command s':>11s}"
-          f"{'ratio':>7s}")
-    for repeat, (compiled, converted, commanded) in enumerate(rows, start=1):
+          f"{'ratio':>7s}{'peak RSS MB':>13s}")
+    for repeat, (compiled, converted, commanded, peak) in enumerate(rows, start=1):
         print(f"{repeat:6d}{compiled:11.3f}{converted:11.3f}{converted / compiled:7.2f}"
-              f"{commanded:11.3f}{commanded / compiled:7.2f}")
+              f"{commanded:11.3f}{commanded / compiled:7.2f}{peak / 1e6:13.0f}")
     if not args.work:
         shutil.rmtree(work)
 
