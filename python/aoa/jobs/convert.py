@@ -184,4 +184,7 @@ def write(conversion: Conversion, destination: Destination, files: Sequence[Outp
     with collector_paused():
         executor = conversion.job.executor(backend=backend, threads=threads,
                                            progress=progress, clear_untouched=True)
-        return destination.write(executor.fill, files)
+        try:
+            return destination.write(executor.fill, files, expect=executor.expect)
+        finally:
+            executor.close()

@@ -133,6 +133,7 @@ class Job:
         return PlanExecutor(plan, self.source_buffer(read), backend=backend, threads=threads,
                             source_buffers=self.source_buffers(read),
                             source_windows=self.source_windows(read),
+                            source_extents=source.plan_extents(plan.sources),
                             progress=progress, release=release,
                             clear_untouched=clear_untouched, source_file=source_file)
 

@@ -9,6 +9,7 @@ bounded by what it holds. A piece is a whole destination shard or a range of its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -20,11 +21,14 @@ from aoa.runtime.kernel_table import DESTINATION, SOURCE, PlanTable, Records, pa
 from aoa.runtime.lower import cut_elements, lower
 from aoa.runtime.releases import SourceReleases
 from aoa.storage.formats import Piece
+from aoa.storage.read_ahead import ReadAhead
 from aoa.storage.writer import StagedPieces
 
 Buffer = object
 #: plan indices of source shards -> buffers, and each shard's (buffer, offset, bytes) in them
 SourceWindows = Callable[[np.ndarray], tuple[Sequence[Buffer], np.ndarray]]
+#: the files a source reads, and plan indices of source shards -> (file, offset, bytes) rows
+SourceExtents = tuple[Sequence[Path], Callable[[np.ndarray], np.ndarray]]
 #: the backends: the C++ kernel, and the numpy reference it is checked against
 BACKENDS = ("cpp", "numpy")
 
@@ -78,7 +82,9 @@ class PlanExecutor:
     those buffers (no view per shard: a plan of small tensors reads tens of thousands).
     ``release(indices)``, if given, is told after a fill, all at once, which source shards
     to drop the pages of (`aoa.runtime.releases`: those read for the last time, or all
-    those kept once they pass a bound).
+    those kept once they pass a bound). ``source_extents``, if given, says which file holds
+    each source shard and where: the shards that `expect`-ed fills will read are then read
+    into the page cache ahead of them (`aoa.storage.read_ahead`); `close` stops that.
     ``clear_untouched``: zero the pieces of shards no copy writes (``_ -> X``), for
     buffers that are not fresh (a file's staging buffers); else they are left as they are
     (the caller's arrays). ``source_file(i)`` names the file behind source shard ``i``: a
@@ -95,7 +101,8 @@ class PlanExecutor:
                  clear_untouched: bool = False,
                  source_file: Callable[[int], object] | None = None,
                  source_buffers: Callable[[list[int]], list[Buffer]] | None = None,
-                 source_windows: SourceWindows | None = None) -> None:
+                 source_windows: SourceWindows | None = None,
+                 source_extents: SourceExtents | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (choose from {BACKENDS})")
         self.plan = plan
@@ -111,6 +118,52 @@ class PlanExecutor:
         self._releases = None if release is None else SourceReleases(self._table, plan, release)
         self._untouched = (np.array(sorted(set(plan.untouched)), np.int64) if clear_untouched
                            else np.zeros(0, np.int64))
+        self._source_extents = source_extents
+        self._read_ahead: ReadAhead | None = None
+        #: the expected fills: each destination shard's place among them (-1: none), and
+        #: the read-ahead's mark once the sources of the shards up to each place are read
+        self._places: np.ndarray | None = None
+        self._marks = np.zeros(0, np.int64)
+        self._read_ahead_of = np.zeros(len(plan.sources), bool)  # source shards asked for
+
+    def expect(self, shards: np.ndarray) -> None:
+        """The destination shards (plan indices) that the next fills fill, in that order (a
+        file's, as a writer starts it): their source shards are read into the page cache
+        ahead of the fills, each once, where ``source_extents`` says where they lie and the
+        file is not in memory already (`aoa.storage.read_ahead`)."""
+        if self._source_extents is None or not len(shards):
+            return
+        paths, extents = self._source_extents
+        if self._read_ahead is None:
+            self._read_ahead = ReadAhead(paths)
+        records = self._table.lowered
+        rows, places = self._table.rows(shards)
+        scales = records.scales[rows]
+        scaled = scales >= 0
+        sources = np.concatenate([records.table[records.starts[rows] + SOURCE],
+                                  records.table[scales[scaled]]])
+        places = np.concatenate([places, places[scaled]])
+        fresh = ~self._read_ahead_of[sources]
+        sources, places = sources[fresh], places[fresh]
+        distinct, first = np.unique(sources, return_index=True)
+        order = np.argsort(places[first], kind="stable")  # as the fills will first read them
+        distinct, first = distinct[order], first[order]
+        self._read_ahead_of[distinct] = True
+        where = extents(distinct)
+        marks = self._read_ahead.expect(where[:, 0], where[:, 1], where[:, 2])
+        by_place = np.zeros(len(shards), np.int64)
+        np.maximum.at(by_place, places[first], marks)
+        if self._places is None:
+            self._places = np.full(len(self.plan.destinations), -1, np.int64)
+        self._places[self._places >= 0] = -1
+        self._places[shards] = np.arange(len(shards))
+        self._marks = np.maximum.accumulate(by_place)
+
+    def close(self) -> None:
+        """Stop reading sources ahead (`expect`)."""
+        if self._read_ahead is not None:
+            self._read_ahead.close()
+            self._read_ahead = None
 
     def fill(self, pieces: Sequence[Piece]) -> None:
         """Run every copy into the pieces (all of a destination shard, or its elements
@@ -136,6 +189,10 @@ class PlanExecutor:
                          (piece.elements[1] - piece.elements[0])
                          * itemsize(plan.destinations[piece.shard].dtype or "float32")
                          for piece in pieces)
+        if self._read_ahead is not None and self._places is not None and len(shards):
+            place = int(self._places[shards].max())
+            if place >= 0:  # the sources up to this fill's last shard are wanted now
+                self._read_ahead.reached(int(self._marks[place]))
         if len(self._untouched):
             for slot in np.flatnonzero(np.isin(shards, self._untouched)).tolist():
                 _zero(pieces[slot].buffer)

@@ -36,7 +36,16 @@ from aoa.layout import ShardDesc, shards_nbytes
 from aoa.limits import usable_cpus
 from aoa.storage import pickler, unpickler
 from aoa.storage.chunks import Chunk, key_shards
-from aoa.storage.formats import Destination, FileLayout, Fill, Format, OutputFile, Piece, Source
+from aoa.storage.formats import (
+    Destination,
+    Expect,
+    FileLayout,
+    Fill,
+    Format,
+    OutputFile,
+    Piece,
+    Source,
+)
 from aoa.storage.mapped import MappedFiles, MappedWriter, Stored
 from aoa.storage.pickler import PAYLOAD_ALIGNMENT, Build, Call, Global, New
 from aoa.storage.torch_save import (
@@ -404,12 +413,17 @@ class DcpDestination(Destination):
             position += len(data)
         return placed
 
-    def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object) -> None:
+    def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object,
+                   expect: Expect | None = None) -> None:
         """Through a mapping of the whole file: each archive's descriptors and central
         directory carry the CRC-32 of its tensor's bytes, known once they are filled."""
         items, nbytes = self._items()[file.filename]
         writer = MappedWriter(path, nbytes)
         try:
+            if expect is not None:  # one fill: its sources read ahead as its copies go
+                import numpy as np
+
+                expect(np.array([item.shard for item in items], np.int64))
             fill([Piece(item.shard, writer.view(item.offset + item.layout.data_offset(0),
                                                 self.shards[item.shard].nbytes))
                   for item in items])

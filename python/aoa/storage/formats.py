@@ -218,6 +218,15 @@ class Source(ABC, Generic[Location]):
         shard (`plan_buffers`)."""
         return None
 
+    def plan_extents(self, shards: Sequence[ShardDesc]
+                     ) -> tuple[list[Path], Callable[[np.ndarray], np.ndarray]] | None:
+        """Which file holds the bytes of ``shards[i]``, and where, for the plan indices ``i``
+        it is given (an int64 array): the files, and a row per index of file number, byte
+        offset and bytes, each shard's bytes as stored there in C order. What reading the
+        sources ahead of the fills asks (`aoa.storage.read_ahead`). None (the default): the
+        format cannot say, and its sources are read as the fills ask."""
+        return None
+
     def plan_release(self, shards: Sequence[ShardDesc]) -> Callable[[list[int]], None]:
         """A `release_many` of ``shards[i]`` for each index ``i`` it is given: what an
         executor calls after each fill with a plan's source shards (a format may look them
@@ -271,6 +280,8 @@ class Piece(NamedTuple):
 
 #: Fills the pieces it is given (one kernel call); raising leaves nothing of the write.
 Fill = Callable[[Sequence[Piece]], None]
+#: told the destination shards (indices, an int64 array) the next fills fill, in that order
+Expect = Callable[["np.ndarray"], None]
 
 
 class ShardSpan(NamedTuple):
@@ -390,10 +401,12 @@ class Destination(ABC):
         conversion is writing into."""
         self.output.open(sharing)
 
-    def write(self, fill: Fill, files: Sequence[OutputFile] | None = None) -> list[Path]:
+    def write(self, fill: Fill, files: Sequence[OutputFile] | None = None, *,
+              expect: Expect | None = None) -> list[Path]:
         """Fill and finish ``files`` (default: all; or one rank's share) in the staging
         folder; the paths they will have once published. A failure leaves none of them
-        (and, for a process writing alone, nothing at all)."""
+        (and, for a process writing alone, nothing at all). ``expect``, if given, is told
+        before each file's fills which destination shards they will fill, in order."""
         from aoa.storage.writer import StagingBuffers
 
         self.output.open(self.output.sharing)
@@ -401,7 +414,8 @@ class Destination(ABC):
         try:
             with StagingBuffers() as buffers:
                 for file in chosen:
-                    self.write_file(self.output.stage(file.filename), file, fill, buffers)
+                    self.write_file(self.output.stage(file.filename), file, fill, buffers,
+                                    expect)
                 if not all(buffers.finish()):
                     self._refused()
         except BaseException:
@@ -409,14 +423,16 @@ class Destination(ABC):
             raise
         return [self.folder / file.filename for file in chosen]
 
-    def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object) -> None:
+    def write_file(self, path: Path, file: OutputFile, fill: Fill, buffers: object,
+                   expect: Expect | None = None) -> None:
         """Write ``file`` at ``path`` (in the staging folder) as `layout` says: every byte
         handed to the writers when this returns, the file finishing (fsync) while the next
         one is filled; ``write`` waits for them all."""
         from aoa.storage.writer import StagingBuffers, start_file
 
         assert isinstance(buffers, StagingBuffers)
-        started = start_file(path, self.layout(file), fill, buffers, direct=self.direct)
+        started = start_file(path, self.layout(file), fill, buffers, direct=self.direct,
+                             expect=expect)
         if not started.direct:
             self._refused()
 

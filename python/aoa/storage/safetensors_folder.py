@@ -144,6 +144,21 @@ class SafetensorsSource(Source[int]):
 
         return windows
 
+    def plan_extents(self, shards: Sequence[ShardDesc]
+                     ) -> tuple[list[Path], Callable[[np.ndarray], np.ndarray]]:
+        """Rows of ``shards`` looked up once; each call then gathers file numbers and byte
+        ranges with numpy."""
+        import numpy as np
+
+        rows = self._plan_rows(shards)
+        numbers, offsets, nbytes = self._columns
+
+        def extents(indices: np.ndarray) -> np.ndarray:
+            asked = self._asked(rows, shards, indices)
+            return np.stack([numbers[asked], offsets[asked], nbytes[asked]], axis=1)
+
+        return [file.path for file in self._listed], extents
+
     def plan_release(self, shards: Sequence[ShardDesc]) -> Callable[[list[int]], None]:
         """Rows of ``shards`` looked up once; each release then drops byte ranges per file
         with numpy, no Python work per shard."""

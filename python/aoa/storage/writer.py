@@ -42,7 +42,7 @@ from typing import NamedTuple, overload
 import numpy as np
 
 from aoa.errors import StorageError
-from aoa.storage.formats import FileLayout, Fill, Piece, ShardSpans
+from aoa.storage.formats import Expect, FileLayout, Fill, Piece, ShardSpans
 
 #: Offsets, lengths and buffer addresses of direct writes are multiples of this.
 ALIGNMENT = 4096
@@ -189,15 +189,18 @@ class FileWrite:
 
 
 def start_file(path: Path, layout: FileLayout, fill: Fill, buffers: StagingBuffers, *,
-               direct: bool = True) -> FileWrite:
+               direct: bool = True, expect: Expect | None = None) -> FileWrite:
     """Lay ``path`` out in staging buffers as ``layout`` says, the shards' bytes from
     ``fill``, and hand them all to the writers; the file then finishes (last writes, fsync)
     in the background while the caller goes on to the next file: `FileWrite.result`, or
     ``buffers.finish()`` for every file started, waits for it. A failure before the hand-over
     raises here, having waited for the file's writes in flight; the caller removes the file.
-    A file started before that failed to finish is raised here, before this one starts."""
+    A file started before that failed to finish is raised here, before this one starts.
+    ``expect``, if given, is told the file's shards in the order they will be filled."""
     buffers.check()
     fixed, spans = _items(path, layout)
+    if expect is not None:
+        expect(spans.shards)
     fd, direct = _open(path, direct)
     try:
         _reserve(fd, path, layout.size)

@@ -1,0 +1,178 @@
+"""Source bytes brought into the page cache ahead of the fills that read them.
+
+A fill reads its sources through the files' mappings, in the order its copies go, and a
+transpose reads a tensor a tile at a time, its rows far apart. From a file that is not in
+the page cache each such touch is a fault that reads a page or a few (the kernel stops
+reading around a mapping's faults once most of them miss): a cold conversion of the 1.55 GB
+benchmark read at ~0.6 GB/s, then spent seconds on its last tensors page by page, where
+``dd iflag=direct`` read the file at 1.5 GB/s (bench/README.md, goal 5).
+
+`ReadAhead` reads the byte ranges the fills will need, in the order they will need them
+and at most `WINDOW_BYTES` past the fill under way, on a thread of its own, with
+``sendfile`` into ``/dev/null``: the kernel's sequential read-ahead, in large requests and
+large folios, with no copy into this process and nothing mapped in it, so the resident size
+does not grow. Only files not already in the page cache are read ahead (`_resident`: a few
+pages of each probed with ``RWF_NOWAIT``); a warm source costs nothing. It is a hint and
+never fails a conversion: a file it cannot open or read is left to the fills, which read
+it as before and say what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+#: How far (bytes of source ranges) reading ahead may run past the fill under way: a few
+#: staging buffers' worth of sources, so that a whole fill's are in before it starts, while
+#: a source larger than memory is not read so far ahead that its pages are evicted unread.
+WINDOW_BYTES = 256 << 20
+#: Bytes read ahead per system call (the thread checks for the end between calls).
+CHUNK_BYTES = 8 << 20
+#: Ranges of one file this close are read as one (a few pages more, far fewer calls).
+MERGE_GAP = 1 << 20
+#: Pages of a file probed to tell whether it is in the page cache already.
+PROBES = 64
+
+
+class ReadAhead:
+    """Reads ranges of ``paths`` into the page cache ahead of the fills, in the order they
+    are `expect`-ed, no further than `WINDOW_BYTES` past the last mark `reached`."""
+
+    def __init__(self, paths: Sequence[Path], window: int = WINDOW_BYTES) -> None:
+        self._paths = list(paths)
+        self._window = window
+        #: whether each file is worth reading ahead (not in the page cache), asked once
+        self._cold: list[bool | None] = [None] * len(self._paths)
+        self._runs: deque[tuple[int, int, int, int]] = deque()  # (file, start, end, mark)
+        self._queued = 0  # bytes of runs queued so far: each run's mark is where it ends
+        self._reached = 0
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def expect(self, files: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray
+               ) -> np.ndarray:
+        """Queue ranges (file number, byte offset, bytes), in the order the fills will read
+        them. Returns, for each, the mark that says the fills have reached it (`reached`);
+        ranges of files that are in the page cache are not read, and take the mark before
+        them."""
+        marks = np.full(len(files), self._queued, np.int64)
+        cold = np.array([self._is_cold(number) for number in range(len(self._paths))], bool)
+        wanted = np.flatnonzero(cold[files] & (nbytes > 0)) if len(files) else files
+        if not len(wanted):
+            return marks
+        runs_file, runs_start, runs_end, run_of = _merged(files[wanted], offsets[wanted],
+                                                          offsets[wanted] + nbytes[wanted])
+        ends = self._queued + np.cumsum(runs_end - runs_start)
+        marks[wanted] = ends[run_of]
+        marks = np.maximum.accumulate(marks)
+        with self._changed:
+            self._runs.extend(zip(runs_file.tolist(), runs_start.tolist(),
+                                  runs_end.tolist(), ends.tolist()))
+            self._queued = int(ends[-1])
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="aoa-read-ahead",
+                                                daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        return marks
+
+    def reached(self, mark: int) -> None:
+        """The fills are at ``mark``: reading may run up to `WINDOW_BYTES` past it."""
+        with self._changed:
+            if mark > self._reached:
+                self._reached = mark
+                self._changed.notify()
+
+    def close(self) -> None:
+        """Stop reading ahead (a read under way ends first)."""
+        with self._changed:
+            self._closed = True
+            self._runs.clear()
+            self._changed.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _is_cold(self, number: int) -> bool:
+        cold = self._cold[number]
+        if cold is None:
+            cold = self._cold[number] = not _resident(self._paths[number])
+        return cold
+
+    def _run(self) -> None:
+        """Read the queued runs in order, each once the fills are near enough; ends with
+        `close` (or at the first file it cannot read: the fills read it themselves)."""
+        descriptors: dict[int, int] = {}
+        try:
+            sink = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            while True:
+                with self._changed:
+                    while not self._closed and (not self._runs or self._runs[0][3] - (
+                            self._runs[0][2] - self._runs[0][1]) > self._reached
+                            + self._window):
+                        self._changed.wait()
+                    if self._closed:
+                        return
+                    number, start, end, _ = self._runs.popleft()
+                fd = descriptors.get(number)
+                if fd is None:
+                    fd = descriptors[number] = os.open(self._paths[number],
+                                                       os.O_RDONLY | os.O_CLOEXEC)
+                while start < end and not self._closed:
+                    sent = os.sendfile(sink, fd, start, min(CHUNK_BYTES, end - start))
+                    if sent <= 0:  # the file ends sooner than it said: the fills will say
+                        break
+                    start += sent
+        except OSError:
+            return  # a hint only: the fills read whatever is left
+        finally:
+            for fd in descriptors.values():
+                os.close(fd)
+            os.close(sink)
+
+
+def _merged(files: np.ndarray, starts: np.ndarray, ends: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Consecutive ranges of one file that touch or nearly do (`MERGE_GAP`) as one run:
+    each run's file, start and end, and the run of each range."""
+    new = np.ones(len(files), bool)
+    new[1:] = ((files[1:] != files[:-1]) | (starts[1:] - ends[:-1] > MERGE_GAP)
+               | (starts[1:] < starts[:-1]))  # a run's starts only grow
+    run_of = np.cumsum(new) - 1
+    firsts = np.flatnonzero(new)
+    return files[firsts], starts[firsts], np.maximum.reduceat(ends, firsts), run_of
+
+
+def _resident(path: Path) -> bool:
+    """Whether ``path`` looks wholly in the page cache: `PROBES` pages spread over it are
+    (``preadv`` with ``RWF_NOWAIT`` answers without reading). False where it cannot tell."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return False
+    page = bytearray(1)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return True  # nothing to read ahead: the fills say what is wrong
+    try:
+        size = os.fstat(fd).st_size
+        for offset in np.linspace(0, max(size - 1, 0), PROBES, dtype=np.int64).tolist():
+            with contextlib.suppress(BlockingIOError):
+                if os.preadv(fd, [page], offset, flag) > 0 or not size:
+                    continue
+            return False
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -1,0 +1,248 @@
+"""Reading a conversion's source ranges into the page cache ahead of the fills."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors_files import save
+
+import aoa.runtime.executor as executor_module
+from aoa.jobs.convert import execute, prepare
+from aoa.storage import open_source, read_ahead
+from aoa.storage.read_ahead import MERGE_GAP, ReadAhead
+
+MIB = 1 << 20
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def cached(path: Path, start: int, end: int) -> float:
+    """The share of the pages of bytes [start, end) of ``path`` in the page cache
+    (``mincore`` over a mapping of its own: the test's reference, not aoa's probe)."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value)
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vector = ctypes.create_string_buffer(pages)
+            assert _libc.mincore(address, size, vector) == 0
+            first, last = start // mmap.PAGESIZE, -(-end // mmap.PAGESIZE)
+            return sum(byte & 1 for byte in vector.raw[first:last]) / (last - first)
+        finally:
+            _libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def cold_file(path: Path, nbytes: int) -> Path:
+    """A file of random bytes out of the page cache; skips where it cannot be dropped (a
+    file system in memory)."""
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, nbytes, np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached(path, 0, nbytes) > 0.01:
+        pytest.skip(f"{path.parent}: its pages cannot be dropped from the page cache")
+    return path
+
+
+def wait_until(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def as_runs(files, starts, ends):
+    """The reference for `_merged`: one range after another, a new run wherever the file
+    changes, the range starts before the last one did, or past the last end by more than
+    `MERGE_GAP`."""
+    runs: list[list[int]] = []
+    of: list[int] = []
+    for file, start, end in zip(files, starts, ends):
+        last = runs[-1] if runs else None
+        if (last is None or file != last[0] or start < last[3]
+                or start - last[4] > MERGE_GAP):
+            runs.append([file, start, end, start, end])  # file, start, end, last start, end
+        else:
+            last[2] = max(last[2], end)
+            last[3], last[4] = start, end
+        of.append(len(runs) - 1)
+    return [tuple(run[:3]) for run in runs], of
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 8 * MIB),
+                          st.integers(0, 2 * MIB)), max_size=40))
+def test_ranges_are_merged_into_runs_as_a_plain_walk_merges_them(ranges) -> None:
+    files = np.array([f for f, _, _ in ranges], np.int64)
+    starts = np.array([s for _, s, _ in ranges], np.int64)
+    ends = starts + np.array([n for _, _, n in ranges], np.int64)
+    if not ranges:
+        return
+    run_files, run_starts, run_ends, run_of = read_ahead._merged(files, starts, ends)
+    runs, of = as_runs(files.tolist(), starts.tolist(), ends.tolist())
+    assert list(zip(run_files.tolist(), run_starts.tolist(), run_ends.tolist())) == runs
+    assert run_of.tolist() == of
+
+
+def test_ranges_of_a_cold_file_are_read_into_the_page_cache(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "source", 48 * MIB)
+    ahead = ReadAhead([path])
+    try:
+        marks = ahead.expect(np.array([0, 0]), np.array([2 * MIB, 9 * MIB]),
+                             np.array([3 * MIB, 2 * MIB]))
+        assert marks.tolist() == [3 * MIB, 5 * MIB]
+        ahead.reached(int(marks[-1]))
+        assert wait_until(lambda: cached(path, 2 * MIB, 5 * MIB) == 1
+                          and cached(path, 9 * MIB, 11 * MIB) == 1)
+    finally:
+        ahead.close()
+    assert cached(path, 40 * MIB, 48 * MIB) == 0  # far from both: never asked for
+
+
+def test_reading_runs_no_further_than_its_window_past_the_fills(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "source", 64 * MIB)
+    ahead = ReadAhead([path], window=0)
+    try:
+        marks = ahead.expect(np.array([0, 0]), np.array([0, 40 * MIB]),
+                             np.array([MIB, MIB]))
+        assert wait_until(lambda: cached(path, 0, MIB) == 1)
+        time.sleep(0.3)
+        assert cached(path, 40 * MIB, 41 * MIB) == 0  # past the window: not yet
+        ahead.reached(int(marks[0]))  # the fills are at the end of the first range
+        assert wait_until(lambda: cached(path, 40 * MIB, 41 * MIB) == 1)
+    finally:
+        ahead.close()
+
+
+def test_a_file_in_the_page_cache_is_not_read_again(tmp_path: Path) -> None:
+    path = tmp_path / "source"
+    path.write_bytes(bytes(4 * MIB))
+    path.read_bytes()
+    ahead = ReadAhead([path])
+    marks = ahead.expect(np.array([0]), np.array([0]), np.array([4 * MIB]))
+    assert marks.tolist() == [0]  # nothing queued: the fills read it from memory
+    assert ahead._thread is None
+    ahead.close()
+
+
+def test_a_file_that_cannot_be_read_ahead_is_left_to_the_fills(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "source", 4 * MIB)
+    ahead = ReadAhead([path, tmp_path / "gone"])
+    ahead._cold = [True, True]  # (a file that is gone looks warm: nothing to read)
+    ahead.expect(np.array([1, 0]), np.array([0, 0]), np.array([MIB, MIB]))
+    ahead.reached(2 * MIB)
+    thread = ahead._thread
+    assert thread is not None
+    thread.join(10)
+    assert not thread.is_alive()  # ended quietly at the file it could not open
+    ahead.close()
+
+
+class Recording:
+    """Stands for `ReadAhead` in the executor: the ranges expected, in order, each one's
+    mark, and the last mark reached."""
+
+    instances: ClassVar[list[Recording]] = []
+
+    def __init__(self, paths) -> None:
+        self.paths = list(paths)
+        self.expected: list[tuple[int, int, int]] = []
+        self.marks: dict[tuple[int, int], int] = {}
+        self.at = 0
+        self.closed = False
+        Recording.instances.append(self)
+
+    def expect(self, files, offsets, nbytes):
+        rows = list(zip(files.tolist(), offsets.tolist(), nbytes.tolist()))
+        total = sum(n for _, _, n in self.expected)
+        marks = []
+        for file, offset, count in rows:
+            total += count
+            self.marks[(file, offset)] = total
+            marks.append(total)
+        self.expected += rows
+        return np.array(marks, np.int64)
+
+    def reached(self, mark: int) -> None:
+        self.at = max(self.at, mark)  # (a later file's shards may read nothing new)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def header_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's (offset, bytes) in a safetensors file, from its JSON header."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    return {name: (8 + length + entry["data_offsets"][0],
+                   entry["data_offsets"][1] - entry["data_offsets"][0])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def test_a_conversion_asks_for_each_source_range_once_before_the_fill_that_reads_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(1)
+    arrays = {f"a.{layer}.{name}": rng.standard_normal((64, 32), dtype=np.float32)
+              for layer in range(6) for name in ("gate", "up")}
+    source = tmp_path / "src"
+    source.mkdir()
+    save(source / "model.safetensors", arrays)
+    mapping = ("a.$LAYER_ID.gate^T, a.$LAYER_ID.up^T -> b.$LAYER_ID.up_gate, fused_ffn\n")
+    from aoa.mesh_layout import read_mesh_layout
+
+    (tmp_path / "tp2.toml").write_text('[mesh]\ntp = 2\n\n[[rule]]\nmatch = "b.*.up_gate"\n'
+                                       'tp = 1\n')
+    layout = read_mesh_layout(tmp_path / "tp2.toml")
+    monkeypatch.setattr(executor_module, "ReadAhead", Recording)
+    monkeypatch.setattr("aoa.storage.writer.BUFFER_BYTES", 16384)  # many fills a file
+    Recording.instances = []
+    late: list[tuple[int, int]] = []
+    run = executor_module._run
+
+    def checked(backend, table, sources, destinations, windows, threads, source_windows):
+        ahead = Recording.instances[-1]
+        for _, offset, _ in source_windows.tolist():
+            if ahead.marks[(0, offset)] > ahead.at:
+                late.append((offset, ahead.at))
+        run(backend, table, sources, destinations, windows, threads, source_windows)
+
+    monkeypatch.setattr(executor_module, "_run", checked)
+    with open_source(source) as checkpoint:
+        conversion = prepare(mapping, checkpoint, layout=layout)
+        execute(conversion, tmp_path / "out")
+    (ahead,) = Recording.instances
+    assert ahead.paths == [source / "model.safetensors"]
+    assert ahead.closed
+    ranges = header_ranges(source / "model.safetensors")
+    assert sorted(ahead.expected) == sorted((0, *where) for where in ranges.values())
+    assert late == []  # every fill's sources were asked for before it ran
+    first_rank = header_ranges(tmp_path / "out" / "rank-00000-of-00002.safetensors")
+    order = sorted(first_rank, key=lambda name: first_rank[name][0])  # as rank 0 is filled
+    asked = [(0, *ranges[f"a.{name.split('.')[1]}.{part}"]) for name in order
+             for part in ("gate", "up")]
+    assert ahead.expected == list(dict.fromkeys(asked))
