@@ -143,6 +143,7 @@ def test_a_file_in_the_page_cache_is_not_read_again(tmp_path: Path) -> None:
     path.write_bytes(bytes(4 * MIB))
     path.read_bytes()
     ahead = ReadAhead([path])
+    assert not ahead.wanted
     marks = ahead.expect(np.array([0]), np.array([0]), np.array([4 * MIB]))
     assert marks.tolist() == [0]  # nothing queued: the fills read it from memory
     assert ahead._thread is None
@@ -151,8 +152,10 @@ def test_a_file_in_the_page_cache_is_not_read_again(tmp_path: Path) -> None:
 
 def test_a_file_that_cannot_be_read_ahead_is_left_to_the_fills(tmp_path: Path) -> None:
     path = cold_file(tmp_path / "source", 4 * MIB)
-    ahead = ReadAhead([path, tmp_path / "gone"])
-    ahead._cold = [True, True]  # (a file that is gone looks warm: nothing to read)
+    gone = cold_file(tmp_path / "gone", MIB)
+    ahead = ReadAhead([path, gone])
+    assert ahead.wanted
+    gone.unlink()
     ahead.expect(np.array([1, 0]), np.array([0, 0]), np.array([MIB, MIB]))
     ahead.reached(2 * MIB)
     thread = ahead._thread
@@ -167,6 +170,8 @@ class Recording:
     mark, and the last mark reached."""
 
     instances: ClassVar[list[Recording]] = []
+
+    wanted = True
 
     def __init__(self, paths) -> None:
         self.paths = list(paths)

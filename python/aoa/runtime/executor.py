@@ -136,6 +136,8 @@ class PlanExecutor:
         paths, extents = self._source_extents
         if self._read_ahead is None:
             self._read_ahead = ReadAhead(paths)
+        if not self._read_ahead.wanted:  # a source in memory: no work here either
+            return
         records = self._table.lowered
         rows, places = self._table.rows(shards)
         scales = records.scales[rows]

@@ -47,8 +47,8 @@ class ReadAhead:
     def __init__(self, paths: Sequence[Path], window: int = WINDOW_BYTES) -> None:
         self._paths = list(paths)
         self._window = window
-        #: whether each file is worth reading ahead (not in the page cache), asked once
-        self._cold: list[bool | None] = [None] * len(self._paths)
+        #: whether each file is worth reading ahead: not in the page cache as it starts
+        self._cold = [not _resident(path) for path in self._paths]
         self._runs: deque[tuple[int, int, int, int]] = deque()  # (file, start, end, mark)
         self._queued = 0  # bytes of runs queued so far: each run's mark is where it ends
         self._reached = 0
@@ -63,8 +63,7 @@ class ReadAhead:
         ranges of files that are in the page cache are not read, and take the mark before
         them."""
         marks = np.full(len(files), self._queued, np.int64)
-        cold = np.array([self._is_cold(number) for number in range(len(self._paths))], bool)
-        wanted = np.flatnonzero(cold[files] & (nbytes > 0)) if len(files) else files
+        wanted = np.flatnonzero(np.array(self._cold, bool)[files] & (nbytes > 0))
         if not len(wanted):
             return marks
         runs_file, runs_start, runs_end, run_of = _merged(files[wanted], offsets[wanted],
@@ -83,6 +82,11 @@ class ReadAhead:
             self._changed.notify()
         return marks
 
+    @property
+    def wanted(self) -> bool:
+        """Whether any of the files is worth reading ahead (the rest cost nothing)."""
+        return any(self._cold)
+
     def reached(self, mark: int) -> None:
         """The fills are at ``mark``: reading may run up to `WINDOW_BYTES` past it."""
         with self._changed:
@@ -99,12 +103,6 @@ class ReadAhead:
             thread = self._thread
         if thread is not None:
             thread.join()
-
-    def _is_cold(self, number: int) -> bool:
-        cold = self._cold[number]
-        if cold is None:
-            cold = self._cold[number] = not _resident(self._paths[number])
-        return cold
 
     def _run(self) -> None:
         """Read the queued runs in order, each once the fills are near enough; ends with
