@@ -251,3 +251,46 @@ def test_a_conversion_asks_for_each_source_range_once_before_the_fill_that_reads
     asked = [(0, *ranges[f"a.{name.split('.')[1]}.{part}"]) for name in order
              for part in ("gate", "up")]
     assert ahead.expected == list(dict.fromkeys(asked))
+
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+@pytest.mark.parametrize("fixture", ["paddle/single", "paddle/tp2", "dcp/tp2", "dcp/fsdp4",
+                                     "torch_dist/tp2"])
+def test_a_mapped_source_says_where_each_shard_lies(fixture: str) -> None:
+    """The ranges a read-ahead is given hold the very bytes the framework saved for each
+    shard (its part of the tensor in ``expected.npz``)."""
+    with np.load(FIXTURES / fixture / "expected.npz") as saved:
+        arrays = {key: saved[key] for key in saved.files if "@" not in key}
+    with open_source(FIXTURES / fixture) as source:
+        shards = [shard for found in source.shards.values() for shard in found]
+        extents = source.plan_extents(shards)
+        assert extents is not None
+        paths, where = extents
+        rows = where(np.arange(len(shards), dtype=np.int64)).tolist()
+    assert len(rows) == len(shards)
+    for shard, (number, offset, nbytes) in zip(shards, rows):
+        box = tuple(slice(o, o + n) for o, n in zip(shard.global_offset, shard.local_shape))
+        with open(paths[number], "rb") as file:
+            file.seek(offset)
+            assert file.read(nbytes) == np.ascontiguousarray(arrays[shard.key][box]).tobytes()
+
+
+def test_a_torch_save_file_says_where_each_tensor_lies(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    arrays = {"w": rng.standard_normal((16, 8), dtype=np.float32),
+              "b": rng.standard_normal(8).astype(np.float16)}
+    torch.save({key: torch.from_numpy(array) for key, array in arrays.items()},
+               tmp_path / "pytorch_model.bin")
+    with open_source(tmp_path) as source:
+        shards = [found[0] for found in source.shards.values()]
+        extents = source.plan_extents(shards)
+        assert extents is not None
+        paths, where = extents
+        rows = where(np.arange(len(shards), dtype=np.int64)).tolist()
+    for shard, (number, offset, nbytes) in zip(shards, rows):
+        with open(paths[number], "rb") as file:
+            file.seek(offset)
+            assert file.read(nbytes) == arrays[shard.key].tobytes()

@@ -44,9 +44,8 @@ from aoa.storage.formats import (
     Format,
     OutputFile,
     Piece,
-    Source,
 )
-from aoa.storage.mapped import MappedFiles, MappedWriter, Stored
+from aoa.storage.mapped import MappedFiles, MappedSource, MappedWriter, Stored
 from aoa.storage.pickler import PAYLOAD_ALIGNMENT, Build, Call, Global, New
 from aoa.storage.torch_save import (
     TORCH_DTYPES,
@@ -249,7 +248,7 @@ def _size(values: tuple[int, ...]) -> Call:
 # -------------------------------------------------------------------------------- reading
 
 
-class DcpSource(Source[Stored]):
+class DcpSource(MappedSource):
     """An open DCP checkpoint: the mapped data files and where each chunk's bytes lie."""
 
     def __init__(self, path: Path, format: str, metadata: Path, files: MappedFiles,
@@ -264,20 +263,8 @@ class DcpSource(Source[Stored]):
         return {key: bytes(self._files.open(self.metadata.parent / item.file).view(
                     item.offset, item.length)) for key, item in self._objects.items()}
 
-    def buffer(self, shard: ShardDesc) -> memoryview:
-        return self.location(shard).buffer()
-
-    def release(self, shard: ShardDesc) -> None:
-        self.location(shard).release()
-
-    def file_of(self, shard: ShardDesc) -> Path:
-        return self.location(shard).file.path
-
     def files(self) -> list[Path]:
         return sorted([self.metadata, *self._files.files])
-
-    def close(self) -> None:
-        self._files.close()
 
 
 def claims(path: Path) -> bool:

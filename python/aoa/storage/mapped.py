@@ -11,13 +11,15 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aoa.errors import StorageError
+from aoa.layout import ShardDesc
 from aoa.storage.folder import sync_folder
+from aoa.storage.formats import Source
 from aoa.storage.pages import PageRelease
 from aoa.storage.safetensors import _prefault as prefault
 from aoa.storage.safetensors import _reserve as reserve
@@ -109,6 +111,41 @@ class MappedFiles:
         for file in self.files.values():
             file.close()
         self.files.clear()
+
+
+class MappedSource(Source[Stored]):
+    """A source whose shards are byte ranges of files it has mapped (`Stored`): Paddle's
+    ``.distcp``, PyTorch DCP and ``torch.save`` files. A subclass sets ``_files``."""
+
+    _files: MappedFiles
+
+    def buffer(self, shard: ShardDesc) -> memoryview:
+        return self.location(shard).buffer()
+
+    def release(self, shard: ShardDesc) -> None:
+        self.location(shard).release()
+
+    def file_of(self, shard: ShardDesc) -> Path:
+        return self.location(shard).file.path
+
+    def plan_extents(self, shards: Sequence[ShardDesc]
+                     ) -> tuple[list[Path], Callable[[np.ndarray], np.ndarray]]:
+        """The mapped files, and each asked shard's range in its file (looked up when asked:
+        only a source not in memory is asked, once per shard)."""
+        import numpy as np
+
+        paths = list(self._files.files)
+        numbers = {path: number for number, path in enumerate(paths)}
+
+        def extents(indices: np.ndarray) -> np.ndarray:
+            found = self.locations([shards[index] for index in indices.tolist()])
+            return np.array([(numbers[stored.file.path], stored.offset, stored.nbytes)
+                             for stored in found], np.int64).reshape(-1, 3)
+
+        return paths, extents
+
+    def close(self) -> None:
+        self._files.close()
 
 
 class MappedWriter:

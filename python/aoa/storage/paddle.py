@@ -38,8 +38,8 @@ from aoa.errors import StorageError
 from aoa.layout import ShardDesc, shards_nbytes
 from aoa.storage import numpy_pickle, pickler, unpickler
 from aoa.storage.chunks import Chunk, key_shards
-from aoa.storage.formats import Destination, FileLayout, Format, OutputFile, ShardSpan, Source
-from aoa.storage.mapped import MappedFiles, Stored
+from aoa.storage.formats import Destination, FileLayout, Format, OutputFile, ShardSpan
+from aoa.storage.mapped import MappedFiles, MappedSource, Stored
 
 _META = "paddle.distributed.flex_checkpoint.dcp.metadata"
 #: ``paddle.save``'s table of tensor names, beside the tensors in every ``.distcp`` file.
@@ -192,7 +192,7 @@ def metadata_value(boxes: Sequence[tuple[ShardDesc, str]]) -> pickler.Build:
 # -------------------------------------------------------------------------------- reading
 
 
-class PaddleSource(Source[Stored]):
+class PaddleSource(MappedSource):
     """An open Paddle checkpoint: its metadata and the mapped ``.distcp`` files."""
 
     def __init__(self, path: Path, metadata: Path, files: MappedFiles,
@@ -201,20 +201,8 @@ class PaddleSource(Source[Stored]):
         self.metadata = metadata
         self._files = files
 
-    def buffer(self, shard: ShardDesc) -> memoryview:
-        return self.location(shard).buffer()
-
-    def release(self, shard: ShardDesc) -> None:
-        self.location(shard).release()
-
-    def file_of(self, shard: ShardDesc) -> Path:
-        return self.location(shard).file.path
-
     def files(self) -> list[Path]:
         return sorted([self.metadata, *self._files.files])
-
-    def close(self) -> None:
-        self._files.close()
 
 
 def claims(path: Path) -> bool:

@@ -17,8 +17,8 @@ from typing import Any
 
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
-from aoa.storage.formats import Format, Source
-from aoa.storage.mapped import MappedFiles, Stored
+from aoa.storage.formats import Format
+from aoa.storage.mapped import MappedFiles, MappedSource, Stored
 from aoa.storage.torch_save import SavedTensor, read_torch_save, stored
 
 SINGLE_NAME = "pytorch_model.bin"
@@ -26,7 +26,7 @@ INDEX_NAME = "pytorch_model.bin.index.json"
 _SUFFIXES = (".bin", ".pt", ".pth")
 
 
-class TorchBinSource(Source[Stored]):
+class TorchBinSource(MappedSource):
     """Open ``torch.save`` files of whole tensors."""
 
     def __init__(self, path: Path, files: MappedFiles,
@@ -34,20 +34,8 @@ class TorchBinSource(Source[Stored]):
         super().__init__(path, "bin", stored)
         self._files = files
 
-    def buffer(self, shard: ShardDesc) -> memoryview:
-        return self.location(shard).buffer()
-
-    def release(self, shard: ShardDesc) -> None:
-        self.location(shard).release()
-
-    def file_of(self, shard: ShardDesc) -> Path:
-        return self.location(shard).file.path
-
     def files(self) -> list[Path]:
         return sorted(self._files.files)
-
-    def close(self) -> None:
-        self._files.close()
 
 
 def claims(path: Path) -> bool:
