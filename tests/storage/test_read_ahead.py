@@ -294,3 +294,22 @@ def test_a_torch_save_file_says_where_each_tensor_lies(tmp_path: Path) -> None:
         with open(paths[number], "rb") as file:
             file.seek(offset)
             assert file.read(nbytes) == arrays[shard.key].tobytes()
+
+
+def test_a_load_asks_for_its_sources_ahead_too(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import aoa
+
+    rng = np.random.default_rng(3)
+    arrays = {f"a.{n}": rng.standard_normal((32, 16), dtype=np.float32) for n in range(4)}
+    save(tmp_path / "model.safetensors", arrays)
+    monkeypatch.setattr(executor_module, "ReadAhead", Recording)
+    Recording.instances = []
+    into = {f"b.{n}": np.zeros((16, 32), np.float32) for n in range(4)}
+    aoa.load("a.$LAYER_ID^T -> b.$LAYER_ID", source=tmp_path, into=into, progress=False)
+    (ahead,) = Recording.instances
+    assert ahead.closed
+    ranges = header_ranges(tmp_path / "model.safetensors")
+    assert sorted(ahead.expected) == sorted((0, *where) for where in ranges.values())
+    for n in range(4):
+        assert into[f"b.{n}"].tobytes() == arrays[f"a.{n}"].T.tobytes()

@@ -372,13 +372,19 @@ def _execute(job: Job, targets: list[tuple[int, Adapted]], read: dict[int, Shard
     if host:
         executor = job.executor(backend=backend, threads=threads, read=read,
                                 release_pages=False)
-        for group in _groups(host):
-            executor.fill([Piece(i, b.data) for i, b in group])
-            for _, buffer in group:
-                if buffer.finish is not None:
-                    buffer.finish()
-            if progress is not None:
-                progress(sum(b.nbytes for _, b in group))
+        try:
+            import numpy as np
+
+            executor.expect(np.array([i for i, _ in host], np.int64))  # a cold source ahead
+            for group in _groups(host):
+                executor.fill([Piece(i, b.data) for i, b in group])
+                for _, buffer in group:
+                    if buffer.finish is not None:
+                        buffer.finish()
+                if progress is not None:
+                    progress(sum(b.nbytes for _, b in group))
+        finally:
+            executor.close()
     if device:
         from aoa.runtime.cuda import fill_device
 
