@@ -56,12 +56,9 @@ def cold_file(path: Path, nbytes: int) -> Path:
     """A file of random bytes out of the page cache; skips where it cannot be dropped (a
     file system in memory)."""
     path.write_bytes(np.random.default_rng(0).integers(0, 256, nbytes, np.uint8).tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     if cached(path, 0, nbytes) > 0.01:
         pytest.skip(f"{path.parent}: its pages cannot be dropped from the page cache")
     return path
