@@ -104,6 +104,13 @@ class ReadAhead:
         if thread is not None:
             thread.join()
 
+    def _next_is_near(self) -> bool:
+        """Whether a run is queued that begins within the window past the fills."""
+        if not self._runs:
+            return False
+        _, start, end, mark = self._runs[0]
+        return mark - (end - start) <= self._reached + self._window
+
     def _run(self) -> None:
         """Read the queued runs in order, each once the fills are near enough; ends with
         `close` (or at the first file it cannot read: the fills read it themselves)."""
@@ -115,9 +122,7 @@ class ReadAhead:
         try:
             while True:
                 with self._changed:
-                    while not self._closed and (not self._runs or self._runs[0][3] - (
-                            self._runs[0][2] - self._runs[0][1]) > self._reached
-                            + self._window):
+                    while not self._closed and not self._next_is_near():
                         self._changed.wait()
                     if self._closed:
                         return
@@ -153,7 +158,8 @@ def _merged(files: np.ndarray, starts: np.ndarray, ends: np.ndarray
 
 def _resident(path: Path) -> bool:
     """Whether ``path`` looks wholly in the page cache: `PROBES` pages spread over it are
-    (``preadv`` with ``RWF_NOWAIT`` answers without reading). False where it cannot tell."""
+    (``preadv`` with ``RWF_NOWAIT`` answers at once, a page it lacks at most starting a
+    small read of it). False where it cannot tell."""
     flag = getattr(os, "RWF_NOWAIT", None)
     if flag is None:
         return False
