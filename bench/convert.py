@@ -14,9 +14,12 @@ gate/up, transposes, a cast, tensor-parallel 2), side by side in one run with:
 
 Without --cold, the source is read into the page cache before each repeat (the seconds
 that took are printed): the command is timed against dd writing, so it should not read
-from the disk as well. On this VM a source left alone for a while is partly evicted (the
-6.16 GB source, warm a quarter of an hour before, was read again in a command that took
-9.1 s against dd's 3.4 s; 2.1 s once in memory).
+from the disk as well. The VMs here page out what has been left alone for a minute (DAMON's
+``pageout`` scheme: regions idle for 12 x 5 s, up to 128 MB/s): the 6.16 GB source, read a
+quarter of an hour before, was read again in a command that took 9.1 s against dd's 3.4 s
+(2.1 s once in memory). For the same reason one command runs untimed before the repeats,
+so that the interpreter's and aoa's own files are in memory, as for any command run twice;
+with --cold its source is then dropped again before each timed run.
 
 With --cold, each command run starts with the source out of the page cache
 (posix_fadvise DONTNEED) and writes into --cold-output (default /dev/shm, memory: only the
@@ -298,6 +301,8 @@ def command_table(work: Path, source: Path, args: argparse.Namespace) -> None:
     nbytes = 0
     for python in (sys.executable, *([args.base] if args.base else [])):
         compile_bytecode(python)
+        shutil.rmtree(output, ignore_errors=True)
+        run_command(work, source, output, args.threads, python)  # warm-up, untimed
     for repeat in range(args.repeats):
         if not cold:
             print(f"repeat {repeat + 1}: the source read into the page cache in "

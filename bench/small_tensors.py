@@ -11,7 +11,11 @@ given as ``--destination`` JSON. Each repeat times, one after another:
   command   ``aoa convert`` as a user runs it: a fresh process, start to exit, with its
             peak RSS (the largest of it and the children it waited for, as /usr/bin/time says)
 
-and the goal is convert <= 2x compile (no per-tensor work beyond planning). The command
+and the goal is convert <= 2x compile (no per-tensor work beyond planning). One round of
+the three runs untimed first (``--warmup``): the VMs here page out what has been left alone
+for a minute (DAMON's ``pageout`` scheme: regions idle for 12 x 5 s, up to 128 MB/s), the
+source's pages and the interpreter's and aoa's own files too, and the first command after a
+pause read them back (1.35 s against 1.10-1.14 s right after). The command
 adds Python's start-up and imports: aoa's modules run from their compiled bytecode, as an
 installed package's do (pip compiles it on install; this script compiles it first, since an
 editable install under PYTHONDONTWRITEBYTECODE would compile 50-odd modules every run).
@@ -80,6 +84,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--work", help="folder for the files (default: a temporary one)")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="aoa-bench-small-"))
@@ -100,7 +105,7 @@ def main() -> None:
                str(work / "out-command"), "--quiet"]
     rows = []
     nbytes = 0
-    for repeat in range(args.repeats):
+    for repeat in range(-args.warmup, args.repeats):
         start = time.perf_counter()
         aoa.compile(statements, source_shards, destination_shards)
         compiled = time.perf_counter() - start
@@ -113,6 +118,9 @@ def main() -> None:
         nbytes = conversion.nbytes
         shutil.rmtree(work / "out-command", ignore_errors=True)
         commanded, peak = run_command(command)
+        if repeat < 0:
+            print(f"warm-up: command {commanded:.3f} s", file=sys.stderr)
+            continue
         rows.append((compiled, converted, commanded, peak))
         print(f"repeat {repeat + 1}: compile {compiled:.3f} s, convert {converted:.3f} s, "
               f"command {commanded:.3f} s, peak RSS {peak / 1e6:.0f} MB", file=sys.stderr)
