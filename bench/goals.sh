@@ -19,13 +19,9 @@ mkdir -p "$work"
 
 section() { printf '\n## %s (%s; %s)\n' "$1" "$(date -u +%H:%M:%S)" "$(cut -d' ' -f1-3 /proc/loadavg)"; }
 
-# Goals 3 and 4 time commands against writing (dd) and compiling: their sources should be in
-# the page cache, and on this VM a file left alone for a while is partly evicted. Read
-# (first run: made) now, well before they are timed; convert.py reads its source again.
-for source in "$work"/conv8/hf/*.safetensors "$work"/conv34/hf/*.safetensors \
-              "$work"/small/src-*/*.safetensors; do
-    [ -f "$source" ] && cat "$source" > /dev/null
-done
+# These VMs page out what is left alone for a minute (DAMON): convert.py reads goal 3's
+# source into the page cache before each repeat, and both it and small_tensors.py run one
+# command untimed first.
 
 section "goal 1: the drop-in, 61x256 and PaddleFormers' programs"
 "$python" bench/dropin.py --rounds 3
