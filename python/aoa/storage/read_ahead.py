@@ -14,13 +14,14 @@ large folios, with no copy into this process and nothing mapped in it, so the re
 does not grow. Only files not already in the page cache are read ahead (`_resident`: a few
 pages of each probed with ``RWF_NOWAIT``); a warm source costs nothing. It is a hint and
 never fails a conversion: a file it cannot open or read is left to the fills, which read
-it as before and say what is wrong with it.
+it as before and say what is wrong with it. On Linux only; elsewhere the fills read alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -38,6 +39,9 @@ CHUNK_BYTES = 8 << 20
 MERGE_GAP = 1 << 20
 #: Pages of a file probed to tell whether it is in the page cache already.
 PROBES = 64
+#: Linux's ``sendfile`` takes any file as its output (elsewhere only a socket) and its
+#: ``preadv`` answers ``RWF_NOWAIT``: other systems read as the fills ask.
+_CAN_READ_AHEAD = sys.platform.startswith("linux") and hasattr(os, "RWF_NOWAIT")
 
 
 class ReadAhead:
@@ -48,7 +52,7 @@ class ReadAhead:
         self._paths = list(paths)
         self._window = window
         #: whether each file is worth reading ahead: not in the page cache as it starts
-        self._cold = [not _resident(path) for path in self._paths]
+        self._cold = [_CAN_READ_AHEAD and not _resident(path) for path in self._paths]
         self._runs: deque[tuple[int, int, int, int]] = deque()  # (file, start, end, mark)
         self._queued = 0  # bytes of runs queued so far: each run's mark is where it ends
         self._reached = 0
@@ -159,10 +163,7 @@ def _merged(files: np.ndarray, starts: np.ndarray, ends: np.ndarray
 def _resident(path: Path) -> bool:
     """Whether ``path`` looks wholly in the page cache: `PROBES` pages spread over it are
     (``preadv`` with ``RWF_NOWAIT`` answers at once, a page it lacks at most starting a
-    small read of it). False where it cannot tell."""
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None:
-        return False
+    small read of it). False where it cannot tell (Linux only)."""
     page = bytearray(1)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -172,7 +173,7 @@ def _resident(path: Path) -> bool:
         size = os.fstat(fd).st_size
         for offset in np.linspace(0, max(size - 1, 0), PROBES, dtype=np.int64).tolist():
             with contextlib.suppress(BlockingIOError):
-                if os.preadv(fd, [page], offset, flag) > 0 or not size:
+                if os.preadv(fd, [page], offset, os.RWF_NOWAIT) > 0 or not size:
                     continue
             return False
         return True
