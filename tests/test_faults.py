@@ -171,10 +171,17 @@ def test_a_full_disk_at_the_index_leaves_nothing(work, reference, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_a_source_cut_short_while_read_is_an_error(work, tmp_path, shape):
+def test_a_source_cut_short_while_read_is_an_error(work, tmp_path, shape, cold):
+    """Cold, the source is read ahead of the fills too (`aoa.storage.read_ahead`): the
+    thread reading it ends where the file does, and the fills say what is wrong."""
     source = tmp_path / "src"
     shutil.copytree(work / "src", source)
+    if cold:  # (where the file system keeps it in memory anyway, this is the warm case)
+        with open(source / "model.safetensors", "rb") as file:
+            os.fsync(file.fileno())
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     done = run(command(work, tmp_path / "out", shape, source), "truncate-source",
                AOA_TEST_SOURCE=str(source / "model.safetensors"))
     assert done.returncode == 1, done.stderr
