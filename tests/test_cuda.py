@@ -228,6 +228,49 @@ def test_load_sends_device_buffers_through_staging(tmp_path, monkeypatch):
     assert transfer.sent and transfer.done == len(transfer.pending)
 
 
+def test_a_load_onto_the_gpu_asks_for_its_sources_ahead(tmp_path, monkeypatch):
+    """The device buffers' batches read a cold source ahead too (`aoa.storage.read_ahead`):
+    each source range asked for once, before the batch that reads it."""
+    from storage.test_read_ahead import Recording, header_ranges
+
+    import aoa.runtime.executor as executor_module
+
+    rng = np.random.default_rng(6)
+    tensors = {f"w.{n}": rng.standard_normal((64, 32), dtype=np.float32) for n in range(3)}
+    save_folder(tmp_path, tensors)
+    transfer = HostTransfer()
+    monkeypatch.setattr(buffers, "_device_of", lambda pointer: 0)
+    monkeypatch.setattr(cuda, "CupyTransfer", lambda: transfer)
+    monkeypatch.setattr(cuda, "DEFAULT_STAGING_BYTES", 8192)  # a batch a slab or two
+    monkeypatch.setattr(executor_module, "ReadAhead", Recording)
+    Recording.instances = []
+    late: list[int] = []
+    fill = executor_module.PlanExecutor.fill
+
+    def checked(self, pieces):
+        ahead = Recording.instances[-1]
+        fill(self, pieces)
+        late.extend(offset for (_, offset), mark in ahead.marks.items() if mark > ahead.at
+                    and offset in read_by(self, pieces))
+
+    def read_by(executor, pieces):
+        rows, _ = executor._table.rows(np.array([p.shard for p in pieces], np.int64))
+        sources = executor._table.lowered.table[executor._table.lowered.starts[rows]]
+        return {ranges[executor.plan.sources[i].key][0] for i in sources.tolist()}
+
+    ranges = header_ranges(tmp_path / "model.safetensors")
+    monkeypatch.setattr(executor_module.PlanExecutor, "fill", checked)
+    on_device = {f"v.{n}": np.zeros((32, 64), np.float32) for n in range(3)}
+    aoa.load("w.$LAYER_ID^T -> v.$LAYER_ID", source=tmp_path,
+             into={k: FakeCudaArray(v) for k, v in on_device.items()}, progress=False)
+    (ahead,) = Recording.instances
+    assert ahead.closed
+    assert sorted(ahead.expected) == sorted((0, *where) for where in ranges.values())
+    assert late == []
+    for n in range(3):
+        assert on_device[f"v.{n}"].tobytes() == np.ascontiguousarray(tensors[f"w.{n}"].T).tobytes()
+
+
 # -- on a GPU ------------------------------------------------------------------------------------
 
 

@@ -389,7 +389,8 @@ def _execute(job: Job, targets: list[tuple[int, Adapted]], read: dict[int, Shard
         from aoa.runtime.cuda import fill_device
 
         fill_device(job.plan, device, job.source_buffer(read), backend=backend,
-                    threads=threads, progress=progress)
+                    threads=threads, progress=progress,
+                    source_extents=job.source.plan_extents(job.plan.sources))
 
 
 def _groups(host: list[tuple[int, HostBuffer]]) -> list[list[tuple[int, HostBuffer]]]:

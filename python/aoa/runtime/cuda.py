@@ -26,7 +26,7 @@ from aoa.dtypes import itemsize
 from aoa.layout import ShardDesc
 from aoa.plan import Plan, PlannedCopy
 from aoa.runtime.buffers import DeviceBuffer
-from aoa.runtime.executor import Buffer, PlanExecutor
+from aoa.runtime.executor import Buffer, PlanExecutor, SourceExtents
 from aoa.runtime.lower import cut_rows, rows_of
 from aoa.storage.formats import Piece
 
@@ -142,9 +142,11 @@ def fill_device(plan: Plan, targets: Mapping[int, DeviceBuffer],
                 source_buffer: Callable[[int], Buffer], *, backend: str = "cpp",
                 threads: int | None = None, progress: Callable[[int], None] | None = None,
                 staging_bytes: int = DEFAULT_STAGING_BYTES,
-                transfer: Transfer | None = None) -> None:
+                transfer: Transfer | None = None,
+                source_extents: SourceExtents | None = None) -> None:
     """Fill the device buffers ``targets`` (plan destination index -> buffer), one device
-    at a time; returns once every byte is on its GPU."""
+    at a time; returns once every byte is on its GPU. ``source_extents``: where the source
+    shards lie, to read a cold source ahead of the batches (`PlanExecutor`)."""
     if transfer is None:
         transfer = CupyTransfer()
     devices: dict[int, dict[int, DeviceBuffer]] = {}
@@ -153,17 +155,31 @@ def fill_device(plan: Plan, targets: Mapping[int, DeviceBuffer],
     for device, on_device in sorted(devices.items()):
         with transfer.device(device):
             _fill_one_device(plan, on_device, source_buffer, backend, threads, progress,
-                             staging_bytes, transfer)
+                             staging_bytes, transfer, source_extents)
 
 
 def _fill_one_device(plan, targets, source_buffer, backend, threads, progress,
-                     staging_bytes, transfer: Transfer) -> None:
+                     staging_bytes, transfer: Transfer,
+                     source_extents: SourceExtents | None = None) -> None:
     staged, slabs = staged_plan(plan, targets, staging_bytes)
     if not slabs:
         return
     size = max(staging_bytes, max(slab.nbytes for slab in slabs))
     plan_batches = batches(slabs, size)
-    executor = PlanExecutor(staged, source_buffer, backend=backend, threads=threads)
+    executor = PlanExecutor(staged, source_buffer, backend=backend, threads=threads,
+                            source_extents=source_extents)
+    try:
+        executor.expect(np.arange(len(slabs), dtype=np.int64))  # the batches' order
+        _send_batches(plan, slabs, plan_batches, size, executor, transfer, progress)
+    finally:
+        executor.close()
+
+
+def _send_batches(plan: Plan, slabs: list[Slab],
+                  plan_batches: list[list[tuple[int, int]]], size: int,
+                  executor: PlanExecutor, transfer: Transfer,
+                  progress: Callable[[int], None] | None) -> None:
+    """Fill the batches in turn through two pinned buffers, each sent to its slabs."""
     buffers = [transfer.pinned(size) for _ in range(min(2, len(plan_batches)))]
     narrow = any(slab.dtype != (plan.destinations[slab.shard].dtype or "float32")
                  for slab in slabs)
