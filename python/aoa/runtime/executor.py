@@ -138,13 +138,9 @@ class PlanExecutor:
             self._read_ahead = ReadAhead(paths)
         if not self._read_ahead.wanted:  # a source in memory: no work here either
             return
-        records = self._table.lowered
         rows, places = self._table.rows(shards)
-        scales = records.scales[rows]
-        scaled = scales >= 0
-        sources = np.concatenate([records.table[records.starts[rows] + SOURCE],
-                                  records.table[scales[scaled]]])
-        places = np.concatenate([places, places[scaled]])
+        sources, readers = self._table.sources_read(rows)
+        places = places[readers]
         fresh = ~self._read_ahead_of[sources]
         sources, places = sources[fresh], places[fresh]
         distinct, first = np.unique(sources, return_index=True)

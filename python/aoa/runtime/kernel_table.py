@@ -193,6 +193,16 @@ class PlanTable:
         return (self.order[ranges(self.firsts[shards], counts)],
                 np.repeat(np.arange(len(shards)), counts))
 
+    def sources_read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The source shards (and scales) records ``rows`` (of ``lowered``) read, once per
+        record, and for each the position in ``rows`` of the record that reads it."""
+        records = self.lowered
+        scales = records.scales[rows]
+        scaled = np.flatnonzero(scales >= 0)
+        return (np.concatenate([records.table[records.starts[rows] + SOURCE],
+                                records.table[scales[scaled]]]),
+                np.concatenate([np.arange(len(rows)), scaled]))
+
 
 def _lower_each(plan: Plan) -> tuple[Records, np.ndarray, np.ndarray]:
     """The records of ``plan``'s copies, lowered one by one (a plan read back from JSON, or

@@ -19,7 +19,7 @@ import numpy as np
 
 from aoa.layout import shards_nbytes
 from aoa.plan import Plan
-from aoa.runtime.kernel_table import SOURCE, PlanTable
+from aoa.runtime.kernel_table import PlanTable
 
 #: Bytes of source shards kept mapped for later fills before they are all dropped at once.
 HELD_BYTES = 128 << 20
@@ -35,7 +35,7 @@ class SourceReleases:
         self._sources = plan.sources
         self._destinations = plan.destinations
         self._release = release
-        self._remaining = np.bincount(_read(table, np.arange(len(table.order))),
+        self._remaining = np.bincount(table.sources_read(np.arange(len(table.order)))[0],
                                       minlength=len(plan.sources))
         self._held = np.zeros(len(plan.sources), np.int64)  # bytes kept of each, 0: none
         self._held_bytes = 0
@@ -64,7 +64,8 @@ class SourceReleases:
                 del self._elements_left[shard]
                 complete.append(np.array([shard], np.int64))
         rows, _ = self._table.rows(np.concatenate(complete))
-        self._remaining -= np.bincount(_read(self._table, rows), minlength=len(self._sources))
+        self._remaining -= np.bincount(self._table.sources_read(rows)[0],
+                                      minlength=len(self._sources))
         done = self._remaining[read] <= 0
         dropped = read[done]
         kept = read[~done]
@@ -81,11 +82,3 @@ class SourceReleases:
         if len(dropped):
             self._release(dropped.tolist())
 
-
-def _read(table: PlanTable, rows: np.ndarray) -> np.ndarray:
-    """The source shards (and scales) records ``rows`` (of ``table.lowered``) read, once
-    per record."""
-    records = table.lowered
-    scales = records.scales[rows]
-    return np.concatenate([records.table[records.starts[rows] + SOURCE],
-                           records.table[scales[scales >= 0]]])
