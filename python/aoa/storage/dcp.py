@@ -45,7 +45,8 @@ from aoa.storage.formats import (
     OutputFile,
     Piece,
 )
-from aoa.storage.mapped import MappedFiles, MappedSource, MappedWriter, Stored
+from aoa.storage.in_place import InPlaceWriter
+from aoa.storage.mapped import MappedFiles, MappedSource, Stored
 from aoa.storage.pickler import PAYLOAD_ALIGNMENT, Build, Call, Global, New
 from aoa.storage.torch_save import (
     TORCH_DTYPES,
@@ -405,7 +406,7 @@ class DcpDestination(Destination):
         """Through a mapping of the whole file: each archive's descriptors and central
         directory carry the CRC-32 of its tensor's bytes, known once they are filled."""
         items, nbytes = self._items()[file.filename]
-        writer = MappedWriter(path, nbytes)
+        writer = InPlaceWriter(path, nbytes)
         try:
             if expect is not None:  # one fill: its sources read ahead as its copies go
                 import numpy as np

@@ -18,12 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
-from aoa.storage.folder import sync_folder
 from aoa.storage.formats import Source
 from aoa.storage.pages import PageRelease
-from aoa.storage.safetensors import _prefault as prefault
-from aoa.storage.safetensors import _reserve as reserve
-from aoa.storage.safetensors import partial_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -146,90 +142,3 @@ class MappedSource(Source[Stored]):
 
     def close(self) -> None:
         self._files.close()
-
-
-class MappedWriter:
-    """A file of ``nbytes`` written in place: ``.<name>.aoa-partial`` sized (blocks
-    allocated) and mapped up front, filled through `view`, fsynced by `finish`, renamed into
-    place by `commit`; `discard` removes what it left. As `SafetensorsWriter`, for files
-    whose layout is known before their bytes."""
-
-    def __init__(self, path: str | os.PathLike[str], nbytes: int) -> None:
-        self.path = Path(path)
-        self.partial = partial_path(self.path)
-        self.nbytes = nbytes
-        self._committed = False
-        self._views: list[memoryview] = []
-        self._mapping: mmap.mmap | None = None
-        self._fd: int | None = None
-        try:
-            self._fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-        except OSError as error:
-            raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
-        try:
-            reserve(self._fd, nbytes)
-            if nbytes:
-                self._mapping = mmap.mmap(self._fd, nbytes, access=mmap.ACCESS_WRITE)
-                prefault(self._mapping)
-        except OSError as error:
-            self.discard()
-            raise StorageError(f"{self.path}: cannot reserve {nbytes} bytes: "
-                               f"{error.strerror}") from error
-
-    def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
-        """A writable view of bytes [offset, offset + nbytes) of the file."""
-        nbytes = self.nbytes - offset if nbytes is None else nbytes
-        if offset < 0 or offset + nbytes > self.nbytes:
-            raise StorageError(f"{self.path}: bytes [{offset}, {offset + nbytes}) lie outside "
-                               f"the file's {self.nbytes}")
-        if not nbytes:
-            return memoryview(bytearray())
-        if self._mapping is None:
-            raise StorageError(f"{self.path}: already finished")
-        view = memoryview(self._mapping)[offset:offset + nbytes]
-        self._views.append(view)
-        return view
-
-    def finish(self) -> None:
-        """Flush and fsync, then unmap: complete, but not under its name yet."""
-        if self._fd is None:
-            return
-        try:
-            if self._mapping is not None:
-                self._mapping.flush()
-            os.fsync(self._fd)
-        except OSError as error:
-            raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
-        finally:
-            self._close()
-
-    def commit(self) -> Path:
-        """Finish, then rename into place (atomically, over any older file)."""
-        self.finish()
-        if not self._committed:
-            try:
-                os.replace(self.partial, self.path)
-                sync_folder(self.path.parent)
-            except OSError as error:
-                raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
-            self._committed = True
-        return self.path
-
-    def discard(self) -> None:
-        """Remove what this writer left: the partial file, or the final file once committed."""
-        self._close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path if self._committed else self.partial)
-
-    def _close(self) -> None:
-        for view in self._views:
-            with contextlib.suppress(BufferError):
-                view.release()
-        self._views.clear()
-        if self._mapping is not None:
-            with contextlib.suppress(BufferError):
-                self._mapping.close()
-            self._mapping = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None

@@ -11,7 +11,6 @@ caller's kernel write each tensor straight into the mapping: no staging copy.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import itertools
 import json
@@ -21,10 +20,8 @@ import mmap
 import operator
 import os
 import struct
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from aoa.dtypes import ITEMSIZES, SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, numpy_dtype
@@ -33,8 +30,8 @@ from aoa.inputs import decode, load_json
 from aoa.layout import ShardDesc, shard_kinds
 from aoa.limits import MAX_BYTES, MAX_DIMS, shape_problem
 from aoa.storage.compact_header import read_compact_header
-from aoa.storage.folder import sync_folder
 from aoa.storage.formats import FileLayout, ShardSpans
+from aoa.storage.in_place import InPlaceWriter
 from aoa.storage.pages import PageRelease
 
 if TYPE_CHECKING:  # reading headers and mapping files needs no numpy: imported when used
@@ -42,8 +39,6 @@ if TYPE_CHECKING:  # reading headers and mapping files needs no numpy: imported 
 
 #: The reference implementation refuses headers larger than this, and so do we.
 MAX_HEADER_BYTES = 100_000_000
-#: Suffix of a file still being written; it never carries the final name.
-PARTIAL_SUFFIX = ".aoa-partial"
 
 _LENGTH_BYTES = 8
 _METADATA_KEY = "__metadata__"
@@ -74,11 +69,6 @@ class TensorColumns(NamedTuple):
     shapes: list[tuple[int, ...]]
     offsets: list[int]
     nbytes: list[int]
-
-
-def partial_path(path: Path) -> Path:
-    """Where ``path`` is written before it is complete: a dot-file no reader picks up."""
-    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
 
 
 class SafetensorsFile:
@@ -585,19 +575,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-#: Linux's MADV_POPULATE_WRITE (5.14+; Python 3.11's mmap module lacks the name).
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-
-def _prefault(mapping: mmap.mmap) -> None:
-    """Fault the whole file's pages in at once: the kernel then writes into them three
-    times faster than when each first touch of a page traps. Older kernels say EINVAL
-    (harmless: the pages then fault one by one, as before)."""
-    if sys.platform.startswith("linux") and len(mapping):
-        with contextlib.suppress(OSError):
-            mapping.madvise(_MADV_POPULATE_WRITE)
-
-
 def _unmap(mapping: mmap.mmap) -> None:
     """Close ``mapping`` unless views of it are still alive; then the last view unmaps it."""
     with contextlib.suppress(BufferError):
@@ -752,14 +729,10 @@ def _check_each_spec(path: Path, tensors: Sequence[ShardDesc]) -> None:
         seen.add(spec.key)
 
 
-class SafetensorsWriter:
-    """Writes one file in place: ``.<name>.aoa-partial`` sized and mapped up front, filled
-    through :meth:`buffer`, renamed into place by :meth:`commit`.
-
-    A ``with`` block is the unit of atomicity: if it raises, whatever the writer left (the
-    partial file, or the final file if it was already committed) is removed; leaving it
-    without committing removes the partial file. A killed process leaves only the dot-file.
-    """
+class SafetensorsWriter(InPlaceWriter):
+    """One safetensors file written in place (`aoa.storage.in_place`): the header written
+    up front, each tensor's bytes filled through :meth:`buffer`, renamed into place by
+    :meth:`commit`; a ``with`` block is the unit of atomicity."""
 
     def __init__(
         self,
@@ -767,114 +740,28 @@ class SafetensorsWriter:
         tensors: Sequence[ShardDesc],
         metadata: dict[str, str] | None = None,
     ) -> None:
-        self.path = Path(path)
-        self.partial = partial_path(self.path)
+        path = Path(path)
         keys = list(map(_KEY, tensors))
-        entries = header_entries(self.path, tensors, keys)
-        _check_metadata(self.path, metadata)
+        entries = header_entries(path, tensors, keys)
+        _check_metadata(path, metadata)
         header = _header(entries, _metadata_text(metadata))
         self._ranges: dict[str, tuple[int, int]] = {}
         offset = len(header)
         for key, nbytes in zip(keys, entries.sizes.tolist()):
-            self._ranges[key] = (offset, offset + nbytes)
+            self._ranges[key] = (offset, nbytes)
             offset += nbytes
-        self._committed = False
-        self._views: list[memoryview] = []
-        self._mapping: mmap.mmap | None = None
-        self._fd: int | None = None
-        try:
-            self._fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-        except OSError as error:
-            raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
-        try:
-            _reserve(self._fd, offset)
-            self._mapping = mmap.mmap(self._fd, offset, access=mmap.ACCESS_WRITE)
-            _prefault(self._mapping)
-        except OSError as error:
-            self.discard()
-            raise StorageError(
-                f"{self.path}: cannot reserve {offset} bytes: {error.strerror}"
-            ) from error
-        self._mapping[: len(header)] = header
+        super().__init__(path, offset)
+        self.view(0, len(header))[:] = header
 
     def buffer(self, name: str) -> memoryview:
         """A writable view of tensor ``name``'s bytes inside the mapped file."""
         if self._mapping is None:
             raise StorageError(f"{self.path}: already finished; cannot write tensor '{name}'")
         try:
-            begin, end = self._ranges[name]
+            begin, nbytes = self._ranges[name]
         except KeyError:
             raise StorageError(f"{self.path}: no tensor '{name}' in this file") from None
-        view = memoryview(self._mapping)[begin:end]
-        self._views.append(view)
-        return view
-
-    def finish(self) -> None:
-        """Flush and fsync the data and unmap; the partial file is complete but not in place."""
-        if self._mapping is None or self._fd is None:
-            return
-        try:
-            self._mapping.flush()
-            os.fsync(self._fd)
-        except OSError as error:
-            raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
-        finally:
-            self._close()
-
-    def commit(self) -> Path:
-        """Finish, then rename the file into place (atomically, over any older file)."""
-        self.finish()
-        if not self._committed:
-            try:
-                os.replace(self.partial, self.path)
-                sync_folder(self.path.parent)
-            except OSError as error:
-                raise StorageError(f"{self.path}: cannot write: {error.strerror}") from error
-            self._committed = True
-        return self.path
-
-    def discard(self) -> None:
-        """Remove what this writer left: the partial file, or the final file once committed."""
-        self._close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path if self._committed else self.partial)
-
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if kind is not None or not self._committed:
-            self.discard()
-
-    def _close(self) -> None:
-        """Release our views (a stale one then fails instead of writing into a finished file)
-        and unmap; a view held elsewhere keeps the mapping alive until it goes."""
-        for view in self._views:
-            with contextlib.suppress(BufferError):
-                view.release()
-        self._views.clear()
-        if self._mapping is not None:
-            _unmap(self._mapping)
-            self._mapping = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Give the file its final size with the blocks allocated, so a full disk is an error
-    here rather than a SIGBUS in the middle of a copy into the mapping."""
-    os.ftruncate(fd, size)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as error:
-        if error.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
+        return self.view(begin, nbytes)
 
 
 def write_safetensors(
