@@ -285,6 +285,25 @@ def test_a_bin_index_that_disagrees_with_its_files_is_refused(tmp_path):
                                     f"{index}")
 
 
+@pytest.mark.parametrize("index_name", ["pytorch_model.bin.index.json",
+                                        "model.safetensors.index.json"])
+@pytest.mark.parametrize("text, says", [
+    ('{"weight_map": {"a": "x.bin",}}', ":1:30: not valid JSON: Expecting property name "
+                                         "enclosed in double quotes"),
+    ('{"weight_map": {"a": 1}}', ": index has no weight_map object of key -> file name"),
+    ('{"weight_map": {"a": "../x.bin"}}', ": file name '../x.bin' is not a name inside the "
+                                           "folder"),
+    ('{"weight_map": {"a": "gone.bin"}}', ": names shard file 'gone.bin', which does not "
+                                           "exist"),
+])
+def test_a_broken_index_is_refused_alike_for_bin_and_safetensors(tmp_path, index_name, text,
+                                                                  says):
+    (tmp_path / index_name).write_text(text)
+    with pytest.raises(StorageError) as caught:
+        open_source(tmp_path)
+    assert caught.value.message == f"{tmp_path / index_name}{says}"
+
+
 # -------------------------------------------------------------------------------- bad input
 
 

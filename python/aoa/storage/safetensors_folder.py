@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from aoa.errors import StorageError, quote
-from aoa.inputs import load_json, read_text
+from aoa.inputs import load_json
 from aoa.layout import ShardDesc
 from aoa.limits import MAX_DIMS
 from aoa.storage.chunks import Chunk, ChunkColumns, as_stored, shards_by_key, stored_shards
 from aoa.storage.compact_header import read_saved_offsets
 from aoa.storage.formats import Source, StoredShards
+from aoa.storage.hf_index import index_files, read_index
 from aoa.storage.safetensors import SafetensorsFile, TensorInfo, interned
 
 if TYPE_CHECKING:  # numpy is imported where a conversion needs it: `aoa check` never does
@@ -269,8 +270,8 @@ def open_folder(path: Path) -> SafetensorsSource:
     if path.is_file() and index != path:
         names = [path]
     elif index.is_file():
-        weight_map = _read_index(index)
-        names = _index_files(index, weight_map)
+        weight_map = read_index(index)
+        names = index_files(index, weight_map)
     elif path.is_dir():
         names = _folder_files(path)
         _check_sets(path, names)
@@ -339,28 +340,6 @@ def _check_alone(path: Path, file: SafetensorsFile) -> None:
         raise StorageError(f"{path}: one of the {int(found['count'])} rank files of a sharded "
                            "checkpoint; its chunks alone do not make the tensors",
                            hint=f"Give the folder: --source {path.parent}")
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    """The weight map of an index file, checked to be an object of key -> file name."""
-    content = load_json(read_text(index, "index", StorageError), str(index), StorageError)
-    weight_map = content.get("weight_map") if isinstance(content, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(key, str) and isinstance(name, str) for key, name in weight_map.items()
-    ):
-        raise StorageError(f"{index}: index has no weight_map object of key -> file name")
-    return weight_map
-
-
-def _index_files(index: Path, weight_map: dict[str, str]) -> list[Path]:
-    """The files an index names, each checked to exist beside it."""
-    names = sorted(set(weight_map.values()))
-    for name in names:
-        if Path(name).name != name:
-            raise StorageError(f"{index}: file name '{name}' is not a name inside the folder")
-        if not (index.parent / name).is_file():
-            raise StorageError(f"{index}: names shard file '{name}', which does not exist")
-    return [index.parent / name for name in names]
 
 
 def _check_index(

@@ -11,13 +11,12 @@ it names is in the file it names, and each tensor stored is named, with its file
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from aoa.errors import StorageError
 from aoa.layout import ShardDesc
 from aoa.storage.formats import Format
+from aoa.storage.hf_index import index_files, read_index
 from aoa.storage.mapped import MappedFiles, MappedSource, Stored
 from aoa.storage.torch_save import SavedTensor, read_torch_save, stored
 
@@ -55,8 +54,8 @@ def open_bin(path: Path) -> TorchBinSource:
     if path.is_file():
         names = [path]
     elif (path / INDEX_NAME).is_file():
-        weight_map = _read_index(path / INDEX_NAME)
-        names = _index_files(path / INDEX_NAME, weight_map)
+        weight_map = read_index(path / INDEX_NAME)
+        names = index_files(path / INDEX_NAME, weight_map)
     elif (path / SINGLE_NAME).is_file():
         names = [path / SINGLE_NAME]
     else:
@@ -94,29 +93,6 @@ def _flat(state: dict, prefix: str = "") -> list[tuple[str, SavedTensor]]:
         elif isinstance(value, dict):
             found += _flat(value, f"{name}.")
     return found
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    try:
-        content: Any = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise StorageError(f"{index}: cannot read the index: {error}") from None
-    weight_map = content.get("weight_map") if isinstance(content, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-            isinstance(name, str) for name in weight_map.values()):
-        raise StorageError(f"{index}: index has no weight_map object of key -> file name")
-    return weight_map
-
-
-def _index_files(index: Path, weight_map: dict[str, str]) -> list[Path]:
-    """The files an index names, each checked to exist beside it."""
-    names = sorted(set(weight_map.values()))
-    for name in names:
-        if Path(name).name != name:
-            raise StorageError(f"{index}: file name '{name}' is not a name inside the folder")
-        if not (index.parent / name).is_file():
-            raise StorageError(f"{index}: names shard file '{name}', which does not exist")
-    return [index.parent / name for name in names]
 
 
 def _check_index(index: Path, weight_map: dict[str, str], found_in: dict[str, Path]) -> None:
