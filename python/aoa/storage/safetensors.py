@@ -660,15 +660,24 @@ def _metadata_text(metadata: dict[str, str] | None) -> str | None:
 def _header(entries: HeaderEntries, metadata_json: str | None) -> bytes:
     """`header_bytes` of the `HeaderEntries` ``entries`` and the metadata as JSON text
     (None: no metadata): what ``json.dumps`` makes of the header object, in one join."""
-    head = b"{"
+    return b"".join(_header_pieces(entries, metadata_json))
+
+
+def _header_pieces(entries: HeaderEntries, metadata_json: str | None) -> list[bytes]:
+    """`_header` in the pieces it is joined from, in order: a rank file's header of 30k
+    entries is 7 MB, which a writer copies into its buffers piece by piece as well as whole
+    (joined, 2-3 ms of fresh memory and a copy per file)."""
+    pieces = [b"", b"{"]
     if metadata_json is not None:
-        head = f'{{"{_METADATA_KEY}":{metadata_json}'.encode()
+        pieces = [b"", f'{{"{_METADATA_KEY}":'.encode(), metadata_json.encode()]
         if entries.text:
-            head += b","
-    length = len(head) + len(entries.text) + 1
+            pieces.append(b",")
+    pieces += [entries.text, b"}"]
+    length = sum(map(len, pieces))
     padding = b" " * (-length % 8)
-    return b"".join((struct.pack("<Q", length + len(padding)), head, entries.text, b"}",
-                     padding))
+    pieces[0] = struct.pack("<Q", length + len(padding))
+    pieces.append(padding)
+    return pieces
 
 
 def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path,
@@ -689,9 +698,10 @@ def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path
     if metadata_json is None:
         _check_metadata(path, metadata)
         metadata_json = _metadata_text(metadata)
-    header = _header(entries, metadata_json)
-    ends = np.cumsum(entries.sizes) + len(header)
-    return FileLayout(int(ends[-1]) if len(ends) else len(header), [(0, header)],
+    pieces = _header_pieces(entries, metadata_json)
+    starts = list(itertools.accumulate(map(len, pieces), initial=0))
+    ends = np.cumsum(entries.sizes) + starts[-1]
+    return FileLayout(int(ends[-1]) if len(ends) else starts[-1], list(zip(starts, pieces)),
                       ShardSpans(np.fromiter(indices, np.int64, len(indices)),
                                  ends - entries.sizes, entries.sizes, entries.itemsizes))
 
