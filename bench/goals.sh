@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 13's six speed goals, each by its own benchmark, one after the other in one run: the
-# figures a closing note reports. ~6 minutes here with Paddle, plus ~7 the first time (the
+# figures a closing note reports. ~4 minutes here with Paddle, plus ~7 the first time (the
 # sources are made in AOA_GOALS_WORK and kept for the next run).
 #
 #     bench/goals.sh                  # this checkout's .venv, log on stdout
@@ -26,7 +26,9 @@ section() { printf '\n## %s (%s; %s)\n' "$1" "$(date -u +%H:%M:%S)" "$(cut -d' '
 section "goal 1: the drop-in, 61x256 and PaddleFormers' programs"
 "$python" bench/dropin.py --rounds 3
 section "goal 2: compile + plan + lower at 61x256"
-"$python" bench/compile_scale.py --sizes 61x256
+# Best of three, Paddle and aoa alternating (compile_scale.py's default at this size is one
+# of each, to save Paddle's 11 s): one sample of aoa's 0.6 s ranged 0.57-0.81 s between runs.
+"$python" bench/compile_scale.py --sizes 61x256 --repeats 3
 section "goal 3: the command against dd oflag=direct, 1.55 GB"
 "$python" bench/convert.py --command-only --repeats 3 --work "$work/conv8"
 section "goal 3: the same, 6.16 GB"
