@@ -140,6 +140,13 @@ def _reserve(fd: int, size: int) -> None:
     """Give the file its final size with the blocks allocated, so a full disk is an error
     here rather than a SIGBUS in the middle of a copy into the mapping."""
     os.ftruncate(fd, size)
+    allocate(fd, size)
+
+
+def allocate(fd: int, size: int) -> None:
+    """Allocate the blocks of the file's first ``size`` bytes up front: a full disk is an
+    OSError here, not in the middle of a write. A file system that cannot reserve blocks
+    (or a size of 0) passes: its writes then say when the disk is full."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as error:

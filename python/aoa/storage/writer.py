@@ -43,6 +43,7 @@ import numpy as np
 
 from aoa.errors import StorageError
 from aoa.storage.formats import Expect, FileLayout, Fill, Piece, ShardSpans
+from aoa.storage.in_place import allocate
 
 #: Offsets, lengths and buffer addresses of direct writes are multiples of this.
 ALIGNMENT = 4096
@@ -534,11 +535,7 @@ def _open(path: Path, direct: bool) -> tuple[int, bool]:
 
 def _reserve(fd: int, path: Path, size: int) -> None:
     """Allocate the file's blocks up front: a full disk is refused here, not mid-copy."""
-    if not size:
-        return
     try:
-        os.posix_fallocate(fd, 0, size)
+        allocate(fd, size)
     except OSError as error:
-        if error.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return  # the file system cannot reserve; writes report a full disk instead
         raise StorageError(f"{path}: cannot reserve {size} bytes: {error.strerror}") from error
