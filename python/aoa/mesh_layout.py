@@ -38,7 +38,6 @@ Optimizer states (`.moment1_0`, ...) follow their parameter's rule; beta pows ar
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import itertools
 import math
@@ -210,6 +209,8 @@ class MeshLayout:
                 hint = "Move it before the rule that takes its keys, or delete it."
             else:
                 why = "matches no tensor the mapping makes"
+                import difflib  # (for this message only)
+
                 close = difflib.get_close_matches(rule.match, keys, n=1)
                 like = f" (a key like it: '{close[0]}')" if close else ""
                 hint = (f"Check the pattern against the destination keys{like}; a tensor no "

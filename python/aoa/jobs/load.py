@@ -14,7 +14,6 @@ the copies of its own shards, reading the shared checkpoint folder directly.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -322,6 +321,8 @@ def _check_keys(made: Compilation, destination: ShardInfo, tied: Mapping[str, st
             want = made.made_as(model_key)
         except KeyError:
             unfilled = sorted(set(made.tensors.outputs) - set(destination) - set(tied))
+            import difflib  # (for this message only)
+
             close = difflib.get_close_matches(key, unfilled, n=1)
             raise ValidationError(
                 f"'{key}' has a buffer, but no statement writes it and the source has no key "

@@ -9,12 +9,10 @@ shard counts (`^T`, `fused_*`) run later, after the chains are resolved (expand_
 from __future__ import annotations
 
 import bisect
-import difflib
 import functools
 import itertools
 import math
 import re
-import string
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -31,7 +29,7 @@ LAYER_ID_OFFSET = "$LAYER_ID_OFFSET"
 _LAST_DIGIT = re.compile(r".*\d", re.DOTALL)
 #: what the text past a key's last digit is mostly made of: stripped first, the rest of the
 #: key then ends with that digit, or has none (`\d` and `str.isdecimal` both mean Nd)
-_WORD_CHARACTERS = string.ascii_letters + "._"
+_WORD_CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ._"
 
 
 def _tail(text: str) -> str:
@@ -267,6 +265,8 @@ class _Expander:
         example = pattern.base
         for placeholder in placeholders:
             example = example.replace(placeholder, "0")
+        import difflib  # (for this message only)
+
         close = difflib.get_close_matches(example, self.source_keys.keys, n=1)
         like = f" (a source key like it: '{close[0]}')" if close else ""
         raise MacroError(message, pattern.span,

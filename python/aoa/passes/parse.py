@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +40,8 @@ _TOKEN_WORDS = {
 
 
 def _grammar_text() -> str:
+    from importlib import resources  # (once, for a statement the one-line reader leaves)
+
     packaged = resources.files("aoa").joinpath("aoa.lark")
     if packaged.is_file():
         return packaged.read_text()

@@ -35,7 +35,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aoa.errors import StorageError
+
+#: this machine's name, as `hostname` says it (`socket.gethostname`'s answer on Linux, without
+#: importing socket for it)
+_HOST_NAME = os.uname().nodename
 
 LOCK_NAME = ".aoa-lock"
 STAGING_NAME = ".aoa-staging"
@@ -166,7 +169,7 @@ class OutputFolder:
         conversion) and this rank's; record who holds it; clear staging left by others."""
         lock = self._lock
         assert lock is not None
-        me = {"pid": os.getpid(), "host": socket.gethostname(),
+        me = {"pid": os.getpid(), "host": _HOST_NAME,
               "since": time.strftime("%Y-%m-%d %H:%M:%S"),
               "conversion": sharing.conversion if sharing else None,
               "world_size": sharing.world_size if sharing else None}
@@ -370,7 +373,7 @@ def _describe_holder(holder: dict) -> str:
     pid, host, since = holder.get("pid"), holder.get("host"), holder.get("since")
     if pid is None:
         return "its process could not be named"
-    where = f"process {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
+    where = f"process {pid}" + (f" on {host}" if host and host != _HOST_NAME else "")
     return where + (f", since {since}" if since else "")
 
 
