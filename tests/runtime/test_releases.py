@@ -74,3 +74,32 @@ def test_the_bytes_do_not_depend_on_the_releases(release):
     out = [np.zeros(d.local_shape, np.float32) for d in plan.destinations]
     executor.fill([Piece(i, b) for i, b in enumerate(out)])
     assert all((b == 1).all() for b in out)
+
+
+def test_a_fill_counts_its_whole_shards_reads_as_the_table_does():
+    """A fill hands over how often its whole shards' records read each source; counted from
+    the plan's table instead, the same shards are dropped after the same fills, with parts
+    of a shard in the same fills as whole ones."""
+    plan, buffers = split_plan()
+    half = int(np.prod(plan.destinations[3].local_shape)) // 2
+
+    def whole(i):
+        return Piece(i, np.zeros(plan.destinations[i].local_shape, np.float32))
+
+    def part(i, first, last):
+        return Piece(i, np.zeros(last - first, np.float32), (first, last))
+
+    told, recounted = [], []
+    executor = PlanExecutor(plan, buffers.__getitem__, release=told.append)
+    other = PlanExecutor(plan, buffers.__getitem__, release=recounted.append)
+    assert other._releases is not None
+    count = other._releases.filled
+    other._releases.filled = lambda *given: count(*given[:5])  # (no counts: the table's)
+    for each in (executor, other):
+        each.fill([whole(0), part(3, 0, half)])
+        each.fill([part(3, half, 2 * half), whole(1)])
+        each.fill([whole(2)])
+        each.fill([whole(0), whole(1)])  # read past their count: dropped at once
+    assert told == recounted == [[0, 1], [0, 1]]
+    assert executor._releases is not None
+    assert np.array_equal(executor._releases._remaining, other._releases._remaining)

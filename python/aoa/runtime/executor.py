@@ -194,18 +194,20 @@ class PlanExecutor:
         if len(self._untouched):
             for slot in np.flatnonzero(np.isin(shards, self._untouched)).tolist():
                 _zero(pieces[slot].buffer)
-        records = self._records(shards, firsts, lasts)
+        records, whole = self._records(shards, firsts, lasts)
         if len(records.starts) > 1:
-            read, read_nbytes = self._run(records, destinations, windows)
+            read, read_nbytes, reads = self._run(records, destinations, windows, whole)
             if self._releases is not None:
-                self._releases.filled(shards, firsts, lasts, read, read_nbytes)
+                self._releases.filled(shards, firsts, lasts, read, read_nbytes, reads)
         if self.progress is not None:
             self.progress(filled)
 
-    def _records(self, shards: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> Records:
+    def _records(self, shards: np.ndarray, firsts: np.ndarray, lasts: np.ndarray
+                 ) -> tuple[Records, int]:
         """The records filling the pieces (destination ``shards``, element ranges
         [firsts, lasts) or whole where -1), piece ``i`` as destination ``i``; sources by
-        plan index."""
+        plan index. The first of them, as many as the second value says, are the table's
+        rows of the whole pieces' shards; the parts' lowered records follow."""
         table = self._table
         whole = np.flatnonzero(firsts < 0)
         rows, of_piece = table.rows(shards[whole])
@@ -217,7 +219,7 @@ class PlanExecutor:
                 [copy for slot in cut for copy in
                  self._lower_part(slot, int(shards[slot]), int(firsts[slot]),
                                   int(lasts[slot]))])))
-        return Records.join(parts)
+        return Records.join(parts), len(rows)
 
     def _lower_part(self, slot: int, index: int, start: int, stop: int) -> list[Copy]:
         """The copies writing elements [start, stop) of destination shard ``index`` into
@@ -237,14 +239,19 @@ class PlanExecutor:
         return lowered
 
     def _run(self, records: Records, destinations: Sequence[Buffer],
-             windows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+             windows: np.ndarray | None, whole: int
+             ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Run ``records`` (sources by plan index), the sources renumbered to the buffers
-        the fill reads; the source shards read, and their bytes where the source windows
-        say them."""
+        the fill reads; the source shards read (distinct), their bytes where the source
+        windows say them, and how often the first ``whole`` records read each (sources
+        and scales)."""
         plan, table = self.plan, records.table
-        where = np.concatenate([records.starts[:-1] + SOURCE,
-                                records.scales[records.scales >= 0]])
+        scaled = np.flatnonzero(records.scales >= 0)
+        where = np.concatenate([records.starts[:-1] + SOURCE, records.scales[scaled]])
         used, slots = np.unique(table[where], return_inverse=True)
+        count = len(records.starts) - 1
+        reads = np.bincount(np.concatenate([slots[:whole], slots[count:][scaled < whole]]),
+                            minlength=len(used))
         table[where] = slots
         source_windows = None
         if self._source_windows is not None:
@@ -264,7 +271,7 @@ class PlanExecutor:
                 f"it: byte {vanished.offset} of tensor '{shard.key}' is no longer in the file",
                 hint="Something truncated or rewrote the file during the conversion; "
                      "run it again once the file is whole.") from None
-        return used, None if source_windows is None else source_windows[:, 2]
+        return used, None if source_windows is None else source_windows[:, 2], reads
 
     def _buffers(self, used: list[int]) -> list[Buffer]:
         """The buffers of source shards ``used`` (plan indices), each asked for once."""

@@ -48,24 +48,21 @@ class SourceReleases:
         return np.array(shards_nbytes(self._sources), np.int64)
 
     def filled(self, shards: np.ndarray, firsts: np.ndarray, lasts: np.ndarray,
-               read: np.ndarray, read_nbytes: np.ndarray | None = None) -> None:
+               read: np.ndarray, read_nbytes: np.ndarray | None = None,
+               reads: np.ndarray | None = None) -> None:
         """After a fill of destination ``shards`` (elements [firsts, lasts), whole where
         -1) that read the source shards ``read`` (distinct), ``read_nbytes`` bytes each
-        where the fill knows them (its source windows)."""
-        complete = [shards[firsts < 0]]
-        for shard, first, last in zip(*(a[firsts >= 0].tolist() for a in (shards, firsts,
-                                                                          lasts))):
-            left = self._elements_left.get(shard)
-            if left is None:
-                left = math.prod(self._destinations[shard].local_shape)
-            left -= last - first
-            self._elements_left[shard] = left
-            if left <= 0:
-                del self._elements_left[shard]
-                complete.append(np.array([shard], np.int64))
-        rows, _ = self._table.rows(np.concatenate(complete))
-        self._remaining -= np.bincount(self._table.sources_read(rows)[0],
-                                      minlength=len(self._sources))
+        where the fill knows them (its source windows); ``reads``: how often the whole
+        pieces' records read each of ``read``, where the fill counted them (those records
+        are the table's rows of these shards, read for read: counted here, they would be
+        looked up again)."""
+        if reads is None:
+            self._count_complete(shards, firsts, lasts)
+        else:
+            self._remaining[read] -= reads
+            parts = firsts >= 0
+            if parts.any():
+                self._count_complete(shards[parts], firsts[parts], lasts[parts])
         done = self._remaining[read] <= 0
         dropped = read[done]
         kept = read[~done]
@@ -81,4 +78,26 @@ class SourceReleases:
             self._held_bytes = 0
         if len(dropped):
             self._release(dropped.tolist())
+
+    def _count_complete(self, shards: np.ndarray, firsts: np.ndarray, lasts: np.ndarray
+                        ) -> None:
+        """Take the reads of the shards now complete off the counts: the whole ones, and
+        those whose last part was just filled."""
+        complete = [shards[firsts < 0]]
+        for shard, first, last in zip(*(a[firsts >= 0].tolist() for a in (shards, firsts,
+                                                                          lasts))):
+            left = self._elements_left.get(shard)
+            if left is None:
+                left = math.prod(self._destinations[shard].local_shape)
+            left -= last - first
+            self._elements_left[shard] = left
+            if left <= 0:
+                del self._elements_left[shard]
+                complete.append(np.array([shard], np.int64))
+        shards = np.concatenate(complete)
+        if not len(shards):
+            return
+        rows, _ = self._table.rows(shards)
+        self._remaining -= np.bincount(self._table.sources_read(rows)[0],
+                                      minlength=len(self._sources))
 
