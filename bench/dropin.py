@@ -14,7 +14,8 @@ Timed, per job: ``AOAEngine(aoa_config, source, destination)`` then one
 equal to the destination's (as Paddle's loader builds one per tensor), not the object given
 to the constructor. Building descriptors is not timed, nor importing either library.
 Each measurement is the best of ``--inner`` runs of the job (a small job takes a few
-milliseconds); Paddle and aoa alternate, measurement for measurement (``--rounds`` each), a
+milliseconds); Paddle and aoa alternate, measurement for measurement (``--rounds`` each,
+the small jobs' rounds in turns over all of them, so that a job's lie seconds apart), a
 persistent Paddle worker (run by the Paddle environment's python, ``--paddle-python``)
 serving one measurement per request, so a slow spell of a shared machine falls on both.
 Each side keeps its best measurement; the table gives both and their ratio, and the entry
@@ -159,14 +160,27 @@ def main(argv: list[str] | None = None) -> int:
         else:
             worker = Worker("paddle", [args.paddle_python, os.path.abspath(__file__),
                                        "--paddle-worker"], RESULT_TAG)
-    rows = []
-    for job in sizes + cases:
+    runs: dict[str, tuple[list[dict], list[dict]]] = {job: ([], []) for job in sizes + cases}
+
+    def measure_both(job: str) -> None:
         inner = 1 if job in sizes else args.inner
-        paddle_runs, aoa_runs = [], []
+        paddle_runs, aoa_runs = runs[job]
+        if worker is not None and (result := worker.measure(f"{job} {inner}")):
+            paddle_runs.append(result)
+        aoa_runs.append(measure(AOAEngine, ShardedWeightDesc, job, inner))
+
+    # a synthetic size's rounds one after another (each takes seconds); the small jobs' in
+    # turns over all of them, so that one job's rounds lie seconds apart: one slow spell of
+    # the VM (a second or so, seen taking one side's best of 60 runs 50% over its usual) then
+    # falls on one round of a job, not on all of them
+    for job in sizes:
         for _ in range(args.rounds):
-            if worker is not None and (result := worker.measure(f"{job} {inner}")):
-                paddle_runs.append(result)
-            aoa_runs.append(measure(AOAEngine, ShardedWeightDesc, job, inner))
+            measure_both(job)
+    for _ in range(args.rounds):
+        for job in cases:
+            measure_both(job)
+    rows = []
+    for job, (paddle_runs, aoa_runs) in runs.items():
         paddle = min(paddle_runs, key=lambda r: r["seconds"]) if paddle_runs else None
         ours = min(aoa_runs, key=lambda r: r["seconds"])
         rows.append({"job": job, "paddle": paddle, "aoa": ours,
