@@ -12,7 +12,9 @@ given as ``--destination`` JSON. Each repeat times, one after another:
             moved with it as much as with the command
   convert   prepare + execute in this process (open the source, compile, plan, write, fsync)
   command   ``aoa convert`` as a user runs it: a fresh process, start to exit, with its
-            peak RSS (the largest of it and the children it waited for, as /usr/bin/time says)
+            peak RSS (VmHWM of its own image, as convert.py reads it: the rusage of a child
+            spawned from this process counts this process's memory too, ~490-545 MB here
+            where the command's own peak is ~380 MB)
 
 and the goal is command <= 2x compile (no per-tensor work beyond planning); the convert
 column is the same work without the process's start-up and exit. One round of
@@ -33,7 +35,6 @@ from __future__ import annotations
 import argparse
 import compileall
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -46,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_scale import build_model
+from convert import CHILD
 
 import aoa
 from aoa.jobs.convert import execute, prepare
@@ -74,15 +76,11 @@ def make_source(folder: Path, layout: dict[str, list[tuple]]) -> None:
 def run_command(command: list[str]) -> tuple[float, int]:
     """Seconds from the command's start to its exit, and its peak RSS in bytes."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert process.stderr is not None
-    errors = process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)
+    done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode:
-        raise SystemExit(f"the command failed ({process.returncode}): {errors.decode()}")
-    return seconds, usage.ru_maxrss * 1024
+    if done.returncode:
+        raise SystemExit(f"the command failed ({done.returncode}): {done.stderr}")
+    return seconds, int(done.stdout.split()[-1]) * 1024
 
 
 def main() -> None:
@@ -110,7 +108,7 @@ def main() -> None:
     destination_shards = {k: [ShardDesc(*s) for s in v] for k, v in model.destination.items()}
     statements = (work / "map.aoa").read_text()
     compileall.compile_dir(Path(aoa.__file__).parent, quiet=1)  # as pip does on install
-    command = [sys.executable, "-m", "aoa.cli", "convert", str(work / "map.aoa"), "--source",
+    command = [sys.executable, "-c", CHILD, "convert", str(work / "map.aoa"), "--source",
                str(source), "--destination", str(work / "destination.json"), "--output",
                str(work / "out-command"), "--quiet"]
     rows = []
