@@ -100,4 +100,3 @@ class SourceReleases:
         rows, _ = self._table.rows(shards)
         self._remaining -= np.bincount(self._table.sources_read(rows)[0],
                                       minlength=len(self._sources))
-
