@@ -1,4 +1,5 @@
-// aoa._core: the copy kernel for Python (and records.cpp's bulk records). Converts the arguments, releases the GIL, runs
+// aoa._core: the copy kernel for Python (and records.cpp's bulk records, header_text.cpp's and
+// compact_header.cpp's header texts). Converts the arguments, releases the GIL, runs
 // the loops; the table format and every check live in copy_kernel.cpp.
 #include <pybind11/pybind11.h>
 
@@ -7,6 +8,8 @@
 #include <vector>
 
 #include "copy_kernel.hpp"
+#include "compact_header.hpp"
+#include "header_text.hpp"
 #include "records.hpp"
 
 namespace py = pybind11;
@@ -155,4 +158,6 @@ PYBIND11_MODULE(_core, m) {
         "up to `threads` threads, the GIL released.\n"
         "Raises CopyError (a ValueError) naming the copy before any byte moves.");
   aoa::register_records(m);
+  aoa::register_header_text(m);
+  aoa::register_compact_header(m);
 }

@@ -1,8 +1,11 @@
-"""The aoa copy kernel (cpp/bindings.cpp): strided region copies with fused casts; and
-records made in bulk (cpp/records.cpp)."""
+"""The aoa copy kernel (cpp/bindings.cpp): strided region copies with fused casts; records
+made in bulk (cpp/records.cpp); safetensors header texts (cpp/header_text.cpp)."""
 
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 #: dtype name (Paddle's) -> the code the copy table uses for it (enum aoa::Dtype)
 DTYPE_CODES: dict[str, int]
@@ -35,3 +38,28 @@ def new_record_groups(cls: type[Any], fields: tuple[str, ...], heads: Sequence[A
                       rows: Sequence[Sequence[tuple[Any, ...]]]) -> list[list[Any]]:
     """``[[cls(heads[i], *row) for row in rows[i]] for each i]``, made as `new_records`
     makes them (the class not called): rows are tuples of the fields after the first."""
+
+def header_texts(shards: Sequence[Any], dtypes: dict[str, tuple[str, int]],
+                 sharding: tuple[str, str] | None = None
+                 ) -> tuple[bytes, npt.NDArray[np.int64], npt.NDArray[np.int64], str | None] | None:
+    """For shard descriptions (key, local_shape, dtype, global_offset) stored back to back:
+    the safetensors header's entries as ``json.dumps`` writes them (compact, parted by
+    commas), each one's bytes and item size, and with ``sharding`` = (quote, offsets key)
+    each key's global offset as DCP's sharding info (``QkeyQ: {QoffsetsQ: [a, b]}``, parted
+    by ``, ``). None where a shard is not plain: a key other than printable ASCII without
+    quote or backslash, a dtype not in ``dtypes`` (dtype -> (code, item size)), a box not a
+    tuple of ints in int64, sizes past int64."""
+
+def compact_entries(text: str, start: int, end: int
+                    ) -> tuple[list[str], list[str], list[tuple[int, ...]], list[int],
+                               list[int]] | None:
+    """``text[start:end]`` (an ASCII str) read as safetensors header entries in the compact
+    form (``"name":{"dtype":"CODE","shape":[a,b],"data_offsets":[c,d]}`` parted by commas):
+    names, codes, shapes, begins, ends, equal codes and shapes one object; numbers without
+    leading zeros, within int64; names without backslash or control character. None where
+    it is not that."""
+
+def saved_offsets_of(text: str, names: list[str]) -> list[tuple[int, ...]] | None:
+    """DCP sharding info ``text`` (an ASCII str) read as ``json.dumps`` writes it, listing
+    exactly ``names`` (printable ASCII without quote or backslash) in their order: each
+    one's saved offsets (equal ones one object); None where it is not that."""

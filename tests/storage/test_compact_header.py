@@ -11,8 +11,11 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
+from aoa import _core
 from aoa.errors import StorageError
 from aoa.storage import safetensors as safetensors_module
 from aoa.storage.compact_header import read_compact_header, read_saved_offsets
@@ -177,3 +180,93 @@ def test_sharding_info_not_listing_the_header_names_as_written_reads_as_without_
 ])
 def test_other_sharding_info_is_left_to_the_json_parser(text: str) -> None:
     assert read_saved_offsets(text) is None
+
+
+# ------------------------------------------- the native pass against the regular expressions
+
+def python_only(read, *args):
+    """``read(*args)`` with the native passes off: the regular expressions read it all."""
+    with mock.patch.object(_core, "compact_entries", lambda *a: None), \
+            mock.patch.object(_core, "saved_offsets_of", lambda *a: None):
+        return read(*args)
+
+
+NAMES = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=8)
+ODD_NAMES = st.one_of(NAMES, st.text(max_size=4))  # control, non-ASCII characters too
+NUMBERS = st.one_of(st.integers(0, 300), st.integers(0, 2**64))  # past int64 too
+#: What a mutation puts into a text: the form's own characters, mostly.
+MUTATIONS = st.sampled_from(list('{}[],:" 0123456789\\ax\x01é'))
+
+
+@st.composite
+def mutated(draw, text: str) -> str:
+    """``text``, or it with one character put in, taken out or replaced."""
+    if not text or draw(st.booleans()):
+        return text
+    at = draw(st.integers(0, len(text) - 1))
+    what = draw(st.sampled_from(["insert", "delete", "replace"]))
+    if what == "delete":
+        return text[:at] + text[at + 1:]
+    return text[:at] + draw(MUTATIONS) + text[at + (what == "replace"):]
+
+
+@st.composite
+def compact_headers(draw) -> str:
+    entries = draw(st.lists(st.tuples(ODD_NAMES, st.sampled_from(["F32", "BF16", "X"]),
+                                      st.lists(NUMBERS, max_size=3), NUMBERS, NUMBERS),
+                            max_size=5))
+    body = ",".join(
+        f'"{name}":{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],'
+        f'"data_offsets":[{begin},{end}]}}' for name, code, shape, begin, end in entries)
+    metadata = '"__metadata__":{"k":"v"}' + ("," if body else "")
+    return draw(mutated("{" + (metadata if draw(st.booleans()) else "") + body + "}"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=compact_headers())
+def test_the_native_pass_reads_headers_as_the_regular_expressions_do(text: str) -> None:
+    """Whatever the text (names with the form's own characters, numbers past int64, one
+    character put in, taken out or replaced anywhere), the header reads the same with the
+    native pass as with the regular expressions alone."""
+    assert read_compact_header(text) == python_only(read_compact_header, text)
+
+
+def test_the_native_pass_reads_a_plain_header_and_leaves_what_passes_int64() -> None:
+    text = ('{"a.w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},'
+            '"b":{"dtype":"BF16","shape":[],"data_offsets":[24,26]}}')
+    assert _core.compact_entries(text, 1, len(text) - 1) == (
+        ["a.w", "b"], ["F32", "BF16"], [(2, 3), ()], [0, 24], [24, 26])
+    assert read_compact_header(text) == ({}, ["a.w", "b"], ["F32", "BF16"], [(2, 3), ()],
+                                         [0, 24], [24, 26])
+    big = text.replace("[24,26]", f"[24,{2**63}]")
+    assert _core.compact_entries(big, 1, len(big) - 1) is None
+    assert read_compact_header(big)[-1] == [24, 2**63]  # type: ignore[index]
+    for start, end in [(-1, 5), (5, 4), (0, len(text) + 1)]:  # never past the text
+        assert _core.compact_entries(text, start, end) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), names=st.lists(ODD_NAMES, min_size=1, max_size=5, unique=True),
+       ascii_only=st.booleans())
+def test_the_native_pass_reads_sharding_info_as_the_regular_expressions_do(
+        data, names: list[str], ascii_only: bool) -> None:
+    """Sharding info as json.dumps writes it (mutated or not), read by the header's names or
+    names that differ from its keys: the same with the native pass as without."""
+    offsets = data.draw(st.lists(st.lists(NUMBERS, max_size=3), min_size=len(names),
+                                 max_size=len(names)))
+    text = data.draw(mutated(json.dumps(
+        {name: {"saved_offsets": box} for name, box in zip(names, offsets)},
+        ensure_ascii=ascii_only)))
+    asked = data.draw(st.sampled_from([names, names[::-1], names[1:], names[:-1],
+                                       [*names, "z"]]))
+    assert read_saved_offsets(text, asked) == python_only(read_saved_offsets, text, asked)
+
+
+def test_the_native_pass_reads_plain_sharding_info() -> None:
+    text = '{"a": {"saved_offsets": [0, 64]}, "b": {"saved_offsets": []}}'
+    assert _core.saved_offsets_of(text, ["a", "b"]) == [(0, 64), ()]
+    for names in (["b", "a"], ["a"], [], ['a"'], ["ü", "b"]):
+        assert _core.saved_offsets_of(text, names) is None
+    assert _core.saved_offsets_of(text.replace("64", str(2**63)), ["a", "b"]) is None
+    more = '{"a": {"saved_offsets": [0]}}, "b": {"saved_offsets": [0]}}'  # after the end
+    assert _core.saved_offsets_of(more, ["a"]) is None

@@ -30,6 +30,7 @@ from aoa.storage.safetensors import (
     SafetensorsFile,
     SafetensorsWriter,
     header_bytes,
+    header_texts,
     write_safetensors,
 )
 
@@ -244,7 +245,12 @@ def dumped_header(tensors: list[ShardDesc], metadata: dict[str, str] | None) -> 
     return struct.pack("<Q", len(text)) + text
 
 
-KEYS = st.text(st.characters(blacklist_categories=["Cs"]), max_size=6)
+#: Any names (quotes, backslashes, control and non-ASCII characters), or plain ones (printable
+#: ASCII, no quote or backslash: the header's texts are then made in one native pass).
+PLAIN_KEYS = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E,
+                                   blacklist_characters='"\\'), max_size=6)
+KEYS = st.one_of(PLAIN_KEYS, st.text(st.characters(blacklist_categories=["Cs"]), max_size=6),
+                st.text(st.sampled_from(list('a."\\\x01\x7fé')), max_size=4))
 
 
 @settings(max_examples=150, deadline=None)
@@ -580,6 +586,67 @@ def test_dcp_safetensors_ranks_laid_out_alike_or_not(specs, ranks) -> None:
             ShardSpan(i, offset, spec.nbytes, ITEMSIZES[spec.dtype])
             for i, offset, spec in zip(file.shards, offsets, held)]
         assert layout.size == offsets[-1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=st.lists(st.tuples(PLAIN_KEYS, st.sampled_from(ALL_DTYPES),
+                                st.lists(st.integers(0, 300), max_size=3),
+                                st.lists(st.integers(0, 2**14), max_size=3)),
+                      max_size=6, unique_by=lambda spec: spec[0]))
+def test_plain_shards_texts_are_made_natively_as_json_dumps_writes_them(specs) -> None:
+    """Plain keys, any dtype and box: the native pass makes the header's entries, sizes and
+    sharding info, as json.dumps writes them."""
+    tensors = []
+    for key, dtype, shape, offset in specs:
+        offset = (offset + [0] * len(shape))[:len(shape)]
+        tensors.append(ShardDesc(key, tuple(shape), tuple(map(sum, zip(shape, offset))),
+                                 tuple(offset), dtype))
+    made = header_texts(tensors, ('"', "saved_offsets"))
+    assert made is not None
+    entries, info = made
+    header = json.loads(dumped_header(tensors, None)[8:])
+    assert json.loads(b"{" + entries.text + b"}") == header
+    assert entries.text == json.dumps(header, separators=(",", ":")).encode()[1:-1]
+    assert entries.sizes.tolist() == [spec.nbytes for spec in tensors]
+    assert entries.itemsizes.tolist() == [ITEMSIZES[spec.dtype] for spec in tensors]
+    assert info == ", ".join(json.dumps({spec.key: {"saved_offsets": list(spec.global_offset)}})
+                             [1:-1] for spec in tensors)
+
+
+class _Unslotted:
+    """A shard description without slots (its fields in a dict)."""
+
+    def __init__(self, shard: ShardDesc) -> None:
+        self.key, self.local_shape, self.dtype = shard.key, shard.local_shape, shard.dtype
+        self.global_offset = shard.global_offset
+
+
+@pytest.mark.parametrize("shard", [
+    ShardDesc.full('a"b', (2,), "float32"),  # a quote
+    ShardDesc.full("a\\b", (2,), "float32"),  # a backslash
+    ShardDesc.full("a\nb", (2,), "float32"),  # a control character
+    ShardDesc.full("a\x7fb", (2,), "float32"),
+    ShardDesc.full("ü", (2,), "float32"),  # not ASCII
+    ShardDesc.full("a", (2,), None),  # no dtype
+    ShardDesc.unchecked("a", [2], [2], [0], "float32"),  # boxes not tuples
+    ShardDesc.unchecked("a", (True,), (2,), (0,), "float32"),  # not an int
+    ShardDesc.unchecked("a", (-1,), (2,), (0,), "float32"),  # negative
+    ShardDesc.unchecked("a", (2**63,), (2**63,), (0,), "int8"),  # past int64
+    ShardDesc.unchecked("a", (2**62,), (2**62,), (0,), "float32"),  # its bytes past int64
+    ShardDesc.unchecked("a", (2,), (2,), (-1,), "float32"),  # a negative offset
+    _Unslotted(ShardDesc.full("a", (2,), "float32")),
+])
+def test_what_is_not_plain_is_left_to_the_python_texts(shard) -> None:
+    fine = ShardDesc.full("fine", (3,), "float32")
+    assert header_texts([fine], ('"', "saved_offsets")) is not None
+    assert header_texts([fine, shard], ('"', "saved_offsets")) is None
+
+
+def test_the_native_texts_count_bytes_past_int64_as_not_plain() -> None:
+    """Each tensor fits in int64, the sum of two does not: left to the Python texts."""
+    tensors = [ShardDesc.full(key, (2**60,), "float32") for key in ("a", "b")]
+    assert header_texts(tensors[:1]) is not None
+    assert header_texts(tensors) is None
 
 
 def test_a_file_of_more_bytes_than_int64_counts_is_refused(tmp_path: Path) -> None:

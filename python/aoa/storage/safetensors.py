@@ -584,28 +584,55 @@ def _unmap(mapping: mmap.mmap) -> None:
 def header_bytes(tensors: Sequence[ShardDesc], metadata: dict[str, str] | None) -> bytes:
     """Length prefix and JSON header for ``tensors`` stored back to back in the given order,
     padded with spaces to a multiple of 8 bytes as the reference implementation does."""
-    return _header(_entries(tensors, list(map(_KEY, tensors))), _metadata_text(metadata))
+    made = header_texts(tensors)
+    entries = made[0] if made is not None else _entries(tensors, list(map(_KEY, tensors)))
+    return _header(entries, _metadata_text(metadata))
 
 
 class HeaderEntries(NamedTuple):
     """What a safetensors header says of its tensors: the entries' text (UTF-8, between the
-    braces, after the metadata), and each tensor's bytes and item size (int64 columns).
-    It depends on the keys, dtypes and local shapes alone: the ranks of a sharded output
-    laid out alike share one (`file_layout`'s ``entries``)."""
+    braces, after the metadata), and each tensor's bytes and item size (int64 columns)."""
 
     text: bytes
     sizes: np.ndarray
     itemsizes: np.ndarray
 
 
+#: Each dtype safetensors stores: its code and item size (`header_texts`' table).
+_CODES_AND_SIZES = {dtype: (code, ITEMSIZES[dtype]) for dtype, code in SAFETENSORS_NAMES.items()}
+
+
+def header_texts(tensors: Sequence[ShardDesc], sharding: tuple[str, str] | None = None
+                 ) -> tuple[HeaderEntries, str | None] | None:
+    """The `HeaderEntries` of ``tensors``, unchecked, made in one native pass
+    (`aoa._core.header_texts`); with ``sharding`` (a quote's text, the offsets' key), also
+    DCP's sharding info between its braces, each quote written so. None where a tensor is
+    not plain (a key other than printable ASCII without quote or backslash, a dtype
+    safetensors has no code for, sizes past int64): `_entries` and the checks read those."""
+    from aoa import _core
+
+    made = _core.header_texts(tensors, _CODES_AND_SIZES, sharding)
+    if made is None:
+        return None
+    text, sizes, itemsizes, info = made
+    return HeaderEntries(text, sizes, itemsizes), info
+
+
 def header_entries(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
-                   key_texts: Sequence[str] | None = None) -> HeaderEntries:
-    """The `HeaderEntries` of the file ``path`` holding ``tensors`` (``keys``; ``key_texts``,
-    each key as ``json.dumps`` writes it, not ASCII-escaped, where the caller has them):
-    keys once each, none reserved, dtypes safetensors has."""
-    kinds = shard_kinds(tensors)
-    _check_specs(path, tensors, keys, kinds[1])
-    entries = _entries(tensors, keys, key_texts, kinds=kinds)
+                   made: HeaderEntries | None = None) -> HeaderEntries:
+    """The `HeaderEntries` of the file ``path`` holding ``tensors`` (``keys``), checked: keys
+    once each, none reserved, dtypes safetensors has. ``made``: their entries as
+    `header_texts` made them, where the caller has them."""
+    if made is None:
+        native = header_texts(tensors)
+        made = None if native is None else native[0]
+    if made is not None:  # (its dtypes are safetensors' own)
+        _check_specs(path, tensors, keys)
+        entries = made
+    else:
+        kinds = shard_kinds(tensors)
+        _check_specs(path, tensors, keys, kinds[1])
+        entries = _entries(tensors, keys, kinds=kinds)
     total = sum(entries.sizes.tolist())  # exact: the int64 offsets wrap past MAX_BYTES
     if total > MAX_BYTES:
         raise StorageError(f"{path}: its tensors hold {total} bytes, more than a file can "
@@ -613,18 +640,16 @@ def header_entries(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
     return entries
 
 
-def _entries(tensors: Sequence[ShardDesc], keys: list[str],
-             key_texts: Sequence[str] | None = None, *,
+def _entries(tensors: Sequence[ShardDesc], keys: list[str], *,
              kinds: tuple[list[int], dict[int, tuple[str | None, tuple[int, ...]]]] | None = None
              ) -> HeaderEntries:
-    """`header_entries`, unchecked. The text is what ``json.dumps`` makes of the entries
-    (compact separators), put together column by column in one join, all that depends only
-    on dtype and shape worked out once per `shard_kinds` kind (``kinds``, where the caller
-    has them): a file of 30k shards of a few dozen shapes in milliseconds."""
+    """`header_entries`, unchecked, where `header_texts` makes none. The text is what
+    ``json.dumps`` makes of the entries (compact separators), put together column by column
+    in one join, all that depends only on dtype and shape worked out once per `shard_kinds`
+    kind (``kinds``, where the caller has them)."""
     import numpy as np
 
-    if key_texts is None:
-        key_texts = list(map(json.encoder.encode_basestring, keys))  # type: ignore[attr-defined]
+    key_texts = list(map(json.encoder.encode_basestring, keys))  # type: ignore[attr-defined]
     numbers, kinds_by_number = shard_kinds(tensors) if kinds is None else kinds
     count = len(numbers)
     kind_sizes = np.zeros(max(kinds_by_number, default=-1) + 1, np.int64)
@@ -687,8 +712,7 @@ def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path
     """A destination's safetensors file: the header, then ``tensors`` (destination shards
     ``indices``) back to back, in this order, each under its key. Where the caller has
     them: ``keys``; ``metadata_json``, the metadata as JSON text (then ``metadata`` is not
-    read); ``entries``, the tensors' `HeaderEntries` (`header_entries`, perhaps made for a
-    file holding the same keys, dtypes and shapes in the same order)."""
+    read); ``entries``, the tensors' `HeaderEntries` (`header_entries`)."""
     import numpy as np
 
     if keys is None:
@@ -710,12 +734,13 @@ _KEY = operator.attrgetter("key")
 
 
 def _check_specs(path: Path, tensors: Sequence[ShardDesc], keys: list[str],
-                 kinds: dict[int, tuple[str | None, tuple[int, ...]]]) -> None:
+                 kinds: dict[int, tuple[str | None, tuple[int, ...]]] | None = None) -> None:
     """Keys once each, none reserved, dtypes safetensors has (``kinds``: the tensors'
-    `shard_kinds`)."""
+    `shard_kinds`; None: their dtypes are known to be safetensors')."""
     unique = set(keys)
     if (len(unique) < len(keys) or _METADATA_KEY in unique
-            or not SAFETENSORS_NAMES.keys() >= {dtype for dtype, _ in kinds.values()}):
+            or (kinds is not None
+                and not SAFETENSORS_NAMES.keys() >= {dtype for dtype, _ in kinds.values()})):
         _check_each_spec(path, tensors)
 
 
