@@ -177,12 +177,15 @@ py::object saved_offsets_of(const py::str& text, const py::list& names) {
   py::list offsets;
   try {
     Cursor cursor(ascii_text(text));
-    const Py_ssize_t count = PyList_GET_SIZE(names.ptr());
+    // (a tuple of them: the tuples made below may set the collector going, whose
+    // finalizers could change the list)
+    const py::tuple listed(names);
+    const Py_ssize_t count = PyTuple_GET_SIZE(listed.ptr());
     if (count == 0) throw NotCompact{};
     Distinct offsets_of([](std::string_view box) { return box_tuple(box, ", "); });
     cursor.expect("{");
     for (Py_ssize_t at = 0; at < count; ++at) {
-      PyObject* name = PyList_GET_ITEM(names.ptr(), at);
+      PyObject* name = PyTuple_GET_ITEM(listed.ptr(), at);
       if (!PyUnicode_CheckExact(name) || !PyUnicode_IS_ASCII(name)) throw NotCompact{};
       const std::string_view name_text(
           reinterpret_cast<const char*>(PyUnicode_1BYTE_DATA(name)),

@@ -28,16 +28,38 @@ namespace {
 // Why a shard cannot be made here (the caller's Python path then reads it).
 struct NotPlain {};
 
+py::object owned(PyObject* object) {
+  if (object == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(object);
+}
+
 // One field of objects of a slotted class, read straight from its slot (a member descriptor
 // of an object, which getattr reads first too, being a data descriptor): a borrowed
-// reference, held by the object for as long as no Python code runs, and none runs here.
-// An object of a type without such a slot, or whose slot is empty, is not plain.
+// reference, held by the object for as long as no Python code runs. The type's slot is
+// found (`bind`, which may run Python code) before any field of an object of that type is
+// read; then none runs. A type without such a slot, or an empty slot, is not plain.
 class Field {
  public:
   explicit Field(const char* name) : name_(py::str(name)) {}
 
-  PyObject* get(PyObject* object) {
-    if (Py_TYPE(object) != type_) find(Py_TYPE(object));
+  void bind(PyTypeObject* type) {
+    type_ = nullptr;
+    const py::object descriptor = py::reinterpret_steal<py::object>(
+        PyObject_GetAttr(reinterpret_cast<PyObject*>(type), name_.ptr()));
+    if (!descriptor) {
+      PyErr_Clear();
+      throw NotPlain{};
+    }
+    if (!Py_IS_TYPE(descriptor.ptr(), &PyMemberDescr_Type)) throw NotPlain{};
+    const PyMemberDef* member =
+        reinterpret_cast<PyMemberDescrObject*>(descriptor.ptr())->d_member;
+    if (member->type != T_OBJECT_EX) throw NotPlain{};
+    offset_ = member->offset;
+    type_ = type;
+  }
+
+  // The field of `object`, of the type bound last.
+  PyObject* get(PyObject* object) const {
     PyObject* value = slot(object);
     if (value == nullptr) throw NotPlain{};
     return value;
@@ -54,31 +76,61 @@ class Field {
     return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + offset_);
   }
 
-  void find(PyTypeObject* type) {
-    type_ = nullptr;
-    const py::object descriptor = py::reinterpret_steal<py::object>(
-        PyObject_GetAttr(reinterpret_cast<PyObject*>(type), name_.ptr()));
-    if (!descriptor) {
-      PyErr_Clear();
-      throw NotPlain{};
-    }
-    if (!Py_IS_TYPE(descriptor.ptr(), &PyMemberDescr_Type)) throw NotPlain{};
-    const PyMemberDef* member =
-        reinterpret_cast<PyMemberDescrObject*>(descriptor.ptr())->d_member;
-    if (member->type != T_OBJECT_EX) throw NotPlain{};
-    offset_ = member->offset;
-    type_ = type;
-  }
-
   py::str name_;
   PyTypeObject* type_ = nullptr;
   Py_ssize_t offset_ = 0;
 };
 
-py::object owned(PyObject* object) {
-  if (object == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(object);
-}
+// The shards of a sequence, and their fields bound to the type of the shard at hand.
+class Shards {
+ public:
+  Field key{"key"}, local_shape{"local_shape"}, dtype{"dtype"}, global_offset{"global_offset"};
+
+  explicit Shards(const py::sequence& shards)
+      : list_(owned(PySequence_Fast(shards.ptr(), "shards must be a sequence"))) {
+    look();
+  }
+  Py_ssize_t size() const { return count_; }
+
+  // Shard `at`, its fields bound to its type. Binding a new type may run Python code
+  // (a metaclass's), which may change the sequence: it is looked at again after.
+  PyObject* at(Py_ssize_t at) {
+    if (at >= count_) throw NotPlain{};
+    PyObject* shard = items_[at];
+    if (Py_TYPE(shard) == type_) return shard;
+    type_ = nullptr;
+    PyTypeObject* type = Py_TYPE(shard);
+    const py::object held = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(type));
+    for (Field* field : {&key, &local_shape, &dtype, &global_offset}) field->bind(type);
+    look();
+    if (at >= count_ || Py_TYPE(items_[at]) != type) throw NotPlain{};
+    type_ = type;
+    return items_[at];
+  }
+
+  // Whether the sequence still holds `count` shards (a metaclass's code may change it).
+  bool holds(Py_ssize_t count) const { return count_ == count; }
+
+  // Starts loading shard `at` (nothing past the end).
+  void prefetch(Py_ssize_t at) const {
+    if (at < count_) __builtin_prefetch(items_[at]);
+  }
+  // Starts loading the key of shard `at`, where its type is bound.
+  void prefetch_key(Py_ssize_t at) const {
+    if (at < count_) key.prefetch(items_[at]);
+  }
+
+ private:
+  void look() {
+    items_ = PySequence_Fast_ITEMS(list_.ptr());
+    count_ = PySequence_Fast_GET_SIZE(list_.ptr());
+  }
+
+  py::object list_;
+  PyObject** items_ = nullptr;
+  Py_ssize_t count_ = 0;
+  PyTypeObject* type_ = nullptr;
+};
 
 // Text written front to back into memory grown as needed (not zeroed first: only what is
 // written is touched): appends are a bounds check and a copy (std::string's checked appends
@@ -215,11 +267,8 @@ py::object header_texts(const py::sequence& shards, const py::dict& dtypes,
   const bool with_sharding = !sharding.is_none();
   if (with_sharding) std::tie(quote, offsets_key) =
       sharding.cast<std::pair<std::string, std::string>>();
-  const py::object list = owned(PySequence_Fast(shards.ptr(), "shards must be a sequence"));
-  const Py_ssize_t count = PySequence_Fast_GET_SIZE(list.ptr());
-  PyObject** items = PySequence_Fast_ITEMS(list.ptr());
-  Field key_field("key"), shape_field("local_shape"), dtype_field("dtype"),
-      offset_field("global_offset");
+  Shards fields(shards);
+  const Py_ssize_t count = fields.size();
   Dtypes table(dtypes);
   Boxes shapes(","), offsets(", ");
   py::array_t<int64_t> sizes(count), itemsizes(count);
@@ -233,12 +282,12 @@ py::object header_texts(const py::sequence& shards, const py::dict& dtypes,
   constexpr Py_ssize_t kObjectsAhead = 16, kKeysAhead = 8;
   try {
     for (Py_ssize_t at = 0; at < count; ++at) {
-      if (at + kObjectsAhead < count) __builtin_prefetch(items[at + kObjectsAhead]);
-      if (at + kKeysAhead < count) key_field.prefetch(items[at + kKeysAhead]);
-      PyObject* shard = items[at];
-      const std::string_view name = plain_key(key_field.get(shard));
-      table.find(dtype_field.get(shard));
-      shapes.find(shape_field.get(shard), true);
+      fields.prefetch(at + kObjectsAhead);
+      fields.prefetch_key(at + kKeysAhead);
+      PyObject* shard = fields.at(at);
+      const std::string_view name = plain_key(fields.key.get(shard));
+      table.find(fields.dtype.get(shard));
+      shapes.find(fields.local_shape.get(shard), true);
       int64_t size = 0;
       if (__builtin_mul_overflow(shapes.product(), table.itemsize(), &size)) throw NotPlain{};
       const int64_t begin = end;
@@ -258,7 +307,7 @@ py::object header_texts(const py::sequence& shards, const py::dict& dtypes,
       size_at[at] = size;
       itemsize_at[at] = table.itemsize();
       if (with_sharding) {
-        offsets.find(offset_field.get(shard), false);
+        offsets.find(fields.global_offset.get(shard), false);
         if (at > 0) info.add(", ");
         info.add(quote);
         info.add(name);
@@ -272,6 +321,7 @@ py::object header_texts(const py::sequence& shards, const py::dict& dtypes,
         info.add("]}");
       }
     }
+    if (!fields.holds(count)) throw NotPlain{};
   } catch (const NotPlain&) {
     return py::none();
   }
@@ -279,6 +329,48 @@ py::object header_texts(const py::sequence& shards, const py::dict& dtypes,
   return py::make_tuple(
       py::bytes(entries_text.data(), entries_text.size()), sizes, itemsizes,
       with_sharding ? py::object(py::str(info_text.data(), info_text.size())) : py::none());
+}
+
+// Each shard's bytes, its local shape's elements times its dtype's item size (`itemsizes`:
+// dtype -> item size; a dtype of None counts as `none_as`), as an int64 array; None where a
+// shard is not plain (a dtype not in `itemsizes`, a shape not a tuple of ints, bytes past
+// int64).
+py::object shard_nbytes(const py::sequence& shards, const py::dict& itemsizes,
+                        const py::str& none_as) {
+  Shards fields(shards);
+  const Py_ssize_t count = fields.size();
+  Boxes shapes(",");
+  py::array_t<int64_t> nbytes(count);
+  int64_t* nbytes_at = nbytes.mutable_data();
+  PyObject* last_dtype = nullptr;  // (held by its shard, as long as this runs)
+  int64_t itemsize = 0;
+  constexpr Py_ssize_t kObjectsAhead = 16;
+  try {
+    for (Py_ssize_t at = 0; at < count; ++at) {
+      fields.prefetch(at + kObjectsAhead);
+      PyObject* shard = fields.at(at);
+      PyObject* dtype = fields.dtype.get(shard);
+      if (dtype != last_dtype) {
+        PyObject* name = dtype == Py_None ? none_as.ptr() : dtype;
+        if (!PyUnicode_CheckExact(name)) throw NotPlain{};  // (no __eq__ of its own to run)
+        PyObject* size = PyDict_GetItemWithError(itemsizes.ptr(), name);  // borrowed
+        if (size == nullptr) {
+          if (PyErr_Occurred()) throw py::error_already_set();
+          throw NotPlain{};
+        }
+        if (!PyLong_CheckExact(size)) throw NotPlain{};
+        itemsize = PyLong_AsLongLong(size);
+        if (itemsize <= 0) throw NotPlain{};
+        last_dtype = dtype;
+      }
+      shapes.find(fields.local_shape.get(shard), true);
+      if (__builtin_mul_overflow(shapes.product(), itemsize, &nbytes_at[at])) throw NotPlain{};
+    }
+    if (!fields.holds(count)) throw NotPlain{};
+  } catch (const NotPlain&) {
+    return py::none();
+  }
+  return std::move(nbytes);
 }
 
 }  // namespace
@@ -295,4 +387,10 @@ void aoa::register_header_text(py::module_& m) {
         "None where a shard is not plain (a key that is not printable ASCII without quote or\n"
         "backslash, a dtype not in `dtypes`, a box that is not a tuple of ints in int64, sizes\n"
         "past int64): the caller's own path reads those.");
+  m.def("shard_nbytes", &shard_nbytes, py::arg("shards"), py::arg("itemsizes"),
+        py::arg("none_as"),
+        "Each shard's bytes (the elements of its local_shape times the item size of its\n"
+        "dtype, `itemsizes` mapping dtype to item size; a dtype of None counts as `none_as`)\n"
+        "as an int64 array; None where a shard is not plain (a dtype not in `itemsizes`, a\n"
+        "shape that is not a tuple of ints in int64, bytes past int64).");
 }

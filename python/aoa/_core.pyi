@@ -63,3 +63,10 @@ def saved_offsets_of(text: str, names: list[str]) -> list[tuple[int, ...]] | Non
     """DCP sharding info ``text`` (an ASCII str) read as ``json.dumps`` writes it, listing
     exactly ``names`` (printable ASCII without quote or backslash) in their order: each
     one's saved offsets (equal ones one object); None where it is not that."""
+
+def shard_nbytes(shards: Sequence[Any], itemsizes: dict[str, int], none_as: str
+                 ) -> npt.NDArray[np.int64] | None:
+    """Each shard's bytes (the elements of its ``local_shape`` times its dtype's item size;
+    a dtype of None counts as ``none_as``) as an int64 array; None where a shard is not
+    plain (a dtype not in ``itemsizes``, a shape not a tuple of ints in int64, bytes past
+    int64)."""

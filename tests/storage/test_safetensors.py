@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from aoa import _core
 from aoa.dtypes import ITEMSIZES, NUMPY_DTYPES, SAFETENSORS_CODES
 from aoa.errors import StorageError
-from aoa.layout import ShardDesc
+from aoa.layout import ShardDesc, shards_nbytes
 from aoa.storage.dcp_safetensors import DcpSafetensorsDestination, sharding_info
 from aoa.storage.formats import ShardSpan
 from aoa.storage.safetensors import (
@@ -640,6 +641,57 @@ def test_what_is_not_plain_is_left_to_the_python_texts(shard) -> None:
     fine = ShardDesc.full("fine", (3,), "float32")
     assert header_texts([fine], ('"', "saved_offsets")) is not None
     assert header_texts([fine, shard], ('"', "saved_offsets")) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(specs=st.lists(st.tuples(st.sampled_from([*ITEMSIZES, None]),
+                                st.lists(st.integers(0, 300), max_size=3)), max_size=8))
+def test_shard_bytes_are_counted_natively_as_each_shard_counts_them(specs) -> None:
+    """Every dtype aoa knows (None reading as float32), any shape: each shard's bytes from
+    the native pass are its `nbytes`."""
+    shards = [ShardDesc.full(f"k{i}", tuple(shape), dtype)
+              for i, (dtype, shape) in enumerate(specs)]
+    made = _core.shard_nbytes(shards, ITEMSIZES, "float32")
+    assert made is not None and made.tolist() == [shard.nbytes for shard in shards]
+    assert shards_nbytes(shards) == [shard.nbytes for shard in shards]
+
+
+@pytest.mark.parametrize("shard", [
+    ShardDesc.unchecked("a", (2,), (2,), (0,), "no such dtype"),
+    ShardDesc.unchecked("a", [2], [2], [0], "float32"),  # a shape not a tuple
+    ShardDesc.unchecked("a", (2**62,), (2**62,), (0,), "float32"),  # bytes past int64
+    _Unslotted(ShardDesc.full("a", (2,), "float32")),
+])
+def test_shard_bytes_not_plain_are_left_to_python(shard) -> None:
+    fine = ShardDesc.full("fine", (3,), None)
+    assert _core.shard_nbytes([fine], ITEMSIZES, "float32").tolist() == [12]
+    assert _core.shard_nbytes([fine, shard], ITEMSIZES, "float32") is None
+
+
+def test_a_metaclass_emptying_the_shards_while_they_are_read_is_survived() -> None:
+    """Finding a new type's slots may run its metaclass's code, which may change the list
+    being read: the native passes look at it again, and leave it to the Python path."""
+    shards: list[Any] = []
+
+    class Emptying(type):
+        def __getattribute__(cls, name: str) -> Any:
+            if name == "key":
+                shards.clear()
+            return super().__getattribute__(name)
+
+    class Odd(metaclass=Emptying):
+        __slots__ = ("dtype", "global_offset", "global_shape", "key", "local_shape")
+
+    odd = Odd()
+    fields = {"key": "b", "local_shape": (2,), "global_shape": (2,), "global_offset": (0,),
+              "dtype": "float32"}
+    for field, value in fields.items():
+        object.__setattr__(odd, field, value)
+    for read, emptied in ((header_texts, None), (shards_nbytes, [])):  # (then by Python)
+        shards[:] = [ShardDesc.full(f"k{i}", (2,), "float32") for i in range(40)]
+        shards.insert(20, odd)
+        assert read(shards) == emptied
+        assert shards == []
 
 
 def test_the_native_texts_count_bytes_past_int64_as_not_plain() -> None:
