@@ -40,15 +40,17 @@ def new_record_groups(cls: type[Any], fields: tuple[str, ...], heads: Sequence[A
     makes them (the class not called): rows are tuples of the fields after the first."""
 
 def header_texts(shards: Sequence[Any], dtypes: dict[str, tuple[str, int]],
-                 sharding: tuple[str, str] | None = None
-                 ) -> tuple[bytes, npt.NDArray[np.int64], npt.NDArray[np.int64], str | None] | None:
+                 sharding: tuple[str, str, str, str] | None = None
+                 ) -> tuple[bytes, npt.NDArray[np.int64], npt.NDArray[np.int64],
+                            bytes | None] | None:
     """For shard descriptions (key, local_shape, dtype, global_offset) stored back to back:
     the safetensors header's entries as ``json.dumps`` writes them (compact, parted by
-    commas), each one's bytes and item size, and with ``sharding`` = (quote, offsets key)
-    each key's global offset as DCP's sharding info (``QkeyQ: {QoffsetsQ: [a, b]}``, parted
-    by ``, ``). None where a shard is not plain: a key other than printable ASCII without
-    quote or backslash, a dtype not in ``dtypes`` (dtype -> (code, item size)), a box not a
-    tuple of ints in int64, sizes past int64."""
+    commas), each one's bytes and item size, and with ``sharding`` = (quote, offsets key,
+    opening, closing) the opening, each key's global offset as DCP's sharding info
+    (``QkeyQ: {QoffsetsQ: [a, b]}``, parted by ``, ``), then the closing; texts as bytes.
+    None where a shard is not plain: a key other than printable ASCII without quote or
+    backslash, a dtype not in ``dtypes`` (dtype -> (code, item size)), a box not a tuple of
+    ints in int64, sizes past int64."""
 
 def compact_entries(text: str, start: int, end: int
                     ) -> tuple[list[str], list[str], list[tuple[int, ...]], list[int],

@@ -27,8 +27,10 @@ from aoa.storage.safetensors_folder import (
 
 #: Written beside the sharding info, as DCP's Hugging Face storage writer does.
 _DCP_VERSION = {"DCP_VERSION": "1.0"}
-#: `_DCP_VERSION` as the metadata's JSON ends with it (its last entry).
-_DCP_VERSION_JSON = json.dumps(_DCP_VERSION, separators=(",", ":"))[1:]
+#: How `header_texts` writes a rank file's metadata JSON around its sharding info (a JSON
+#: string in it, quotes escaped), as `_metadata_json` writes it.
+_METADATA_PARTS = ('\\"', OFFSETS_KEY, f'{{"{SHARDING_KEY}":"{{',
+                   '}",' + json.dumps(_DCP_VERSION, separators=(",", ":"))[1:])
 
 
 class DcpSafetensorsDestination(Destination):
@@ -57,14 +59,14 @@ class DcpSafetensorsDestination(Destination):
         shards = list(map(self.shards.__getitem__, file.shards))
         keys = list(map(_KEY, shards))
         path = self.folder / file.filename
-        made = header_texts(shards, ('\\"', OFFSETS_KEY))  # (inside a JSON string)
+        made = header_texts(shards, _METADATA_PARTS)
         if made is None:
             return file_layout(shards, file.shards, path, keys=keys,
                                metadata_json=_metadata_json(sharding_info(shards)))
-        entries, info = made
+        entries, metadata = made
         return file_layout(shards, file.shards, path, keys=keys,
                            entries=header_entries(path, shards, keys, entries),
-                           metadata_json=f'{{"{SHARDING_KEY}":"{{{info}}}",{_DCP_VERSION_JSON}')
+                           metadata_json=metadata)
 
 
 def sharding_info(shards: Sequence[ShardDesc]) -> str:

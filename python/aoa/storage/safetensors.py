@@ -602,13 +602,15 @@ class HeaderEntries(NamedTuple):
 _CODES_AND_SIZES = {dtype: (code, ITEMSIZES[dtype]) for dtype, code in SAFETENSORS_NAMES.items()}
 
 
-def header_texts(tensors: Sequence[ShardDesc], sharding: tuple[str, str] | None = None
-                 ) -> tuple[HeaderEntries, str | None] | None:
+def header_texts(tensors: Sequence[ShardDesc],
+                 sharding: tuple[str, str, str, str] | None = None
+                 ) -> tuple[HeaderEntries, bytes | None] | None:
     """The `HeaderEntries` of ``tensors``, unchecked, made in one native pass
-    (`aoa._core.header_texts`); with ``sharding`` (a quote's text, the offsets' key), also
-    DCP's sharding info between its braces, each quote written so. None where a tensor is
-    not plain (a key other than printable ASCII without quote or backslash, a dtype
-    safetensors has no code for, sizes past int64): `_entries` and the checks read those."""
+    (`aoa._core.header_texts`); with ``sharding`` (a quote's text, the offsets' key, an
+    opening and a closing text), also DCP's sharding info between its braces, each quote
+    written so, between the opening and the closing, as UTF-8. None where a tensor is not
+    plain (a key other than printable ASCII without quote or backslash, a dtype safetensors
+    has no code for, sizes past int64): `_entries` and the checks read those."""
     from aoa import _core
 
     made = _core.header_texts(tensors, _CODES_AND_SIZES, sharding)
@@ -688,13 +690,14 @@ def _header(entries: HeaderEntries, metadata_json: str | None) -> bytes:
     return b"".join(_header_pieces(entries, metadata_json))
 
 
-def _header_pieces(entries: HeaderEntries, metadata_json: str | None) -> list[bytes]:
+def _header_pieces(entries: HeaderEntries, metadata_json: str | bytes | None) -> list[bytes]:
     """`_header` as the pieces it is joined from, in order. A writer copies them into its
     buffers one by one as readily as whole; joined first, a rank file's 7 MB header (30k
     entries) costs one more copy, into fresh memory: 2-3 ms a file."""
     pieces = [b"", b"{"]
     if metadata_json is not None:
-        pieces = [b"", f'{{"{_METADATA_KEY}":'.encode(), metadata_json.encode()]
+        pieces = [b"", f'{{"{_METADATA_KEY}":'.encode(),
+                  metadata_json if isinstance(metadata_json, bytes) else metadata_json.encode()]
         if entries.text:
             pieces.append(b",")
     pieces += [entries.text, b"}"]
@@ -707,12 +710,13 @@ def _header_pieces(entries: HeaderEntries, metadata_json: str | None) -> list[by
 
 def file_layout(tensors: Sequence[ShardDesc], indices: Sequence[int], path: Path,
                 metadata: dict[str, str] | None = None, *, keys: list[str] | None = None,
-                metadata_json: str | None = None, entries: HeaderEntries | None = None
+                metadata_json: str | bytes | None = None, entries: HeaderEntries | None = None
                 ) -> FileLayout:
     """A destination's safetensors file: the header, then ``tensors`` (destination shards
     ``indices``) back to back, in this order, each under its key. Where the caller has
-    them: ``keys``; ``metadata_json``, the metadata as JSON text (then ``metadata`` is not
-    read); ``entries``, the tensors' `HeaderEntries` (`header_entries`)."""
+    them: ``keys``; ``metadata_json``, the metadata as JSON text or its UTF-8 (then
+    ``metadata`` is not read); ``entries``, the tensors' `HeaderEntries`
+    (`header_entries`)."""
     import numpy as np
 
     if keys is None:
