@@ -173,12 +173,12 @@ py::object compact_entries(const py::str& text, Py_ssize_t start, Py_ssize_t end
 // `text` read as `{"name": {"saved_offsets": [a, b]}, ...}` listing exactly `names` (one
 // or more, each plain: printable ASCII without quote or backslash), in their order: each
 // one's offsets as a tuple of ints, equal ones one object; None where it is not that.
-py::object saved_offsets_of(const py::str& text, const py::list& names) {
+py::object saved_offsets_of(const py::str& text, const py::sequence& names) {
   py::list offsets;
   try {
     Cursor cursor(ascii_text(text));
     // (a tuple of them: the tuples made below may set the collector going, whose
-    // finalizers could change the list)
+    // finalizers could change a list)
     const py::tuple listed(names);
     const Py_ssize_t count = PyTuple_GET_SIZE(listed.ptr());
     if (count == 0) throw NotCompact{};

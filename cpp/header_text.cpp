@@ -233,42 +233,54 @@ std::string_view plain_key(PyObject* key) {
 }
 
 // A dtype's safetensors code and item size, from the caller's table (dtype -> (code,
-// itemsize)); the last one found kept, as a file's shards mostly share one (equal texts,
-// not always one object).
+// itemsize), or -> itemsize where no code is wanted); a dtype of None read as `none_as`,
+// where one is given. The last one found is kept, as a file's shards mostly share one
+// (equal texts, not always one object).
 class Dtypes {
  public:
-  explicit Dtypes(const py::dict& table) : table_(table) {}
+  explicit Dtypes(const py::dict& table, PyObject* none_as = nullptr)
+      : table_(table), none_as_(none_as) {}
 
   void find(PyObject* dtype) {
     if (dtype == last_) return;
-    if (!PyUnicode_CheckExact(dtype)) throw NotPlain{};  // (no __eq__ of its own to run)
-    if (last_ != nullptr && PyUnicode_Compare(dtype, last_) == 0) {
-      last_ = dtype;
-      held_ = py::reinterpret_borrow<py::object>(dtype);
+    PyObject* name = dtype == Py_None && none_as_ != nullptr ? none_as_ : dtype;
+    if (!PyUnicode_CheckExact(name)) throw NotPlain{};  // (no __eq__ of its own to run)
+    if (last_name_ != nullptr && PyUnicode_Compare(name, last_name_.ptr()) == 0) {
+      remember(dtype, name);
       return;
     }
-    PyObject* entry = PyDict_GetItemWithError(table_.ptr(), dtype);  // borrowed
+    PyObject* entry = PyDict_GetItemWithError(table_.ptr(), name);  // borrowed
     if (entry == nullptr) {
       if (PyErr_Occurred()) throw py::error_already_set();
       throw NotPlain{};
     }
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) throw NotPlain{};
-    PyObject* code = PyTuple_GET_ITEM(entry, 0);
-    PyObject* itemsize = PyTuple_GET_ITEM(entry, 1);
+    PyObject* itemsize = entry;
+    code_.clear();
+    if (PyTuple_Check(entry)) {
+      if (PyTuple_GET_SIZE(entry) != 2) throw NotPlain{};
+      code_ = std::string(plain_key(PyTuple_GET_ITEM(entry, 0)));
+      itemsize = PyTuple_GET_ITEM(entry, 1);
+    }
     if (!PyLong_CheckExact(itemsize)) throw NotPlain{};
-    code_ = std::string(plain_key(code));
     itemsize_ = PyLong_AsLongLong(itemsize);
     if (itemsize_ <= 0) throw NotPlain{};
-    last_ = dtype;
-    held_ = py::reinterpret_borrow<py::object>(dtype);  // keeps `last_` what it was
+    remember(dtype, name);
   }
   std::string_view code() const { return code_; }
   int64_t itemsize() const { return itemsize_; }
 
  private:
+  // (both held, so that `last_` stays what it was)
+  void remember(PyObject* dtype, PyObject* name) {
+    last_ = dtype;
+    held_ = py::reinterpret_borrow<py::object>(dtype);
+    last_name_ = py::reinterpret_borrow<py::object>(name);
+  }
+
   py::dict table_;
+  PyObject* none_as_;
   PyObject* last_ = nullptr;
-  py::object held_;
+  py::object held_, last_name_;
   std::string code_;
   int64_t itemsize_ = 0;
 };
@@ -358,29 +370,16 @@ py::object shard_nbytes(const py::sequence& shards, const py::dict& itemsizes,
   Boxes shapes(",");
   py::array_t<int64_t> nbytes(count);
   int64_t* nbytes_at = nbytes.mutable_data();
-  PyObject* last_dtype = nullptr;  // (held by its shard, as long as this runs)
-  int64_t itemsize = 0;
+  Dtypes table(itemsizes, none_as.ptr());
   constexpr Py_ssize_t kObjectsAhead = 16;
   try {
     for (Py_ssize_t at = 0; at < count; ++at) {
       fields.prefetch(at + kObjectsAhead);
       PyObject* shard = fields.at(at);
-      PyObject* dtype = fields.dtype.get(shard);
-      if (dtype != last_dtype) {
-        PyObject* name = dtype == Py_None ? none_as.ptr() : dtype;
-        if (!PyUnicode_CheckExact(name)) throw NotPlain{};  // (no __eq__ of its own to run)
-        PyObject* size = PyDict_GetItemWithError(itemsizes.ptr(), name);  // borrowed
-        if (size == nullptr) {
-          if (PyErr_Occurred()) throw py::error_already_set();
-          throw NotPlain{};
-        }
-        if (!PyLong_CheckExact(size)) throw NotPlain{};
-        itemsize = PyLong_AsLongLong(size);
-        if (itemsize <= 0) throw NotPlain{};
-        last_dtype = dtype;
-      }
+      table.find(fields.dtype.get(shard));
       shapes.find(fields.local_shape.get(shard), true);
-      if (__builtin_mul_overflow(shapes.product(), itemsize, &nbytes_at[at])) throw NotPlain{};
+      if (__builtin_mul_overflow(shapes.product(), table.itemsize(), &nbytes_at[at]))
+        throw NotPlain{};
     }
     if (!fields.holds(count)) throw NotPlain{};
   } catch (const NotPlain&) {

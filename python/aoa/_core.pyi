@@ -61,7 +61,7 @@ def compact_entries(text: str, start: int, end: int
     leading zeros, within int64; names without backslash or control character. None where
     it is not that."""
 
-def saved_offsets_of(text: str, names: list[str]) -> list[tuple[int, ...]] | None:
+def saved_offsets_of(text: str, names: Sequence[str]) -> list[tuple[int, ...]] | None:
     """DCP sharding info ``text`` (an ASCII str) read as ``json.dumps`` writes it, listing
     exactly ``names`` (printable ASCII without quote or backslash) in their order: each
     one's saved offsets (equal ones one object); None where it is not that."""

@@ -117,7 +117,7 @@ def read_saved_offsets(text: str, names: Sequence[str] = ()
     be checked to be distinct again."""
     if not (text.startswith('{"') and text.endswith("]}}")) or "\\" in text:
         return None
-    native = _core.saved_offsets_of(text, names if type(names) is list else list(names))
+    native = _core.saved_offsets_of(text, names)
     if native is not None:  # (an ASCII text listing plain names, read in one pass)
         return list(names), native
     listed = _offsets_of_names(text, names)
