@@ -8,6 +8,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -21,7 +22,7 @@ from safetensors_files import save
 import aoa.runtime.executor as executor_module
 from aoa.jobs.convert import execute, prepare
 from aoa.storage import open_source, read_ahead
-from aoa.storage.read_ahead import MERGE_GAP, ReadAhead
+from aoa.storage.read_ahead import MERGE_GAP, STREAMS, ReadAhead
 
 MIB = 1 << 20
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -143,7 +144,7 @@ def test_a_file_in_the_page_cache_is_not_read_again(tmp_path: Path) -> None:
     assert not ahead.wanted
     marks = ahead.expect(np.array([0]), np.array([0]), np.array([4 * MIB]))
     assert marks.tolist() == [0]  # nothing queued: the fills read it from memory
-    assert ahead._thread is None
+    assert ahead._threads == []  # and no thread started
     ahead.close()
 
 
@@ -153,13 +154,102 @@ def test_a_file_that_cannot_be_read_ahead_is_left_to_the_fills(tmp_path: Path) -
     ahead = ReadAhead([path, gone])
     assert ahead.wanted
     gone.unlink()
-    ahead.expect(np.array([1, 0]), np.array([0, 0]), np.array([MIB, MIB]))
-    ahead.reached(2 * MIB)
-    thread = ahead._thread
-    assert thread is not None
-    thread.join(10)
-    assert not thread.is_alive()  # ended quietly at the file it could not open
-    ahead.close()
+    try:
+        ahead.expect(np.array([1, 0]), np.array([0, 0]), np.array([MIB, MIB]))
+        ahead.reached(2 * MIB)
+        assert wait_until(lambda: cached(path, 0, MIB) == 1)  # the next file's: read still
+        assert wait_until(lambda: not ahead._cold[1])  # the gone one's: no more
+        marks = ahead.expect(np.array([1]), np.array([0]), np.array([MIB]))
+        assert marks.tolist() == [2 * MIB]  # not queued: its mark is the one before it
+    finally:
+        ahead.close()
+    assert not any(thread.is_alive() for thread in ahead._threads)
+
+
+class Descriptors:
+    """`os` for `aoa.storage.read_ahead`, counting the files it holds open at once (not
+    ``/dev/null``) and the chunks it reads (file descriptor's path, offset, bytes)."""
+
+    def __init__(self) -> None:
+        self.open_now = 0
+        self.most = 0
+        self.paths: dict[int, str] = {}
+        self.sent: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    def open(self, path, flags):
+        fd = os.open(path, flags)
+        if str(path) != os.devnull:
+            with self._lock:
+                self.paths[fd] = str(path)
+                self.open_now += 1
+                self.most = max(self.most, self.open_now)
+        return fd
+
+    def close(self, fd: int) -> None:
+        with self._lock:
+            if self.paths.pop(fd, None) is not None:
+                self.open_now -= 1
+        os.close(fd)
+
+    def sendfile(self, out: int, fd: int, offset: int, count: int) -> int:
+        with self._lock:
+            self.sent.append((self.paths[fd], offset, count))
+        return os.sendfile(out, fd, offset, count)
+
+
+def test_each_byte_asked_for_is_read_once_in_chunks_holding_a_file_open_per_stream(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = [cold_file(tmp_path / f"source-{n}", 4 * MIB) for n in range(3 * STREAMS)]
+    monkeypatch.setattr(read_ahead, "CHUNK_BYTES", MIB // 2)
+    shim = Descriptors()
+    monkeypatch.setattr(read_ahead, "os", shim)
+    ahead = ReadAhead(paths)
+    try:
+        files = np.repeat(np.arange(len(paths)), 2)
+        offsets = np.tile([0, 3 * MIB], len(paths))  # two runs a file (further than MERGE_GAP)
+        nbytes = np.tile([MIB + 5, 4096], len(paths))
+        marks = ahead.expect(files, offsets, nbytes)
+        ahead.reached(int(marks[-1]))
+        assert wait_until(lambda: len(shim.sent) == 4 * len(paths))
+    finally:
+        ahead.close()
+    assert shim.open_now == 0  # every file closed again
+    assert 1 <= shim.most <= STREAMS  # a stream holds the file of its last chunk only
+    read = sorted(shim.sent)
+    wanted = sorted([(str(path), 0, MIB // 2) for path in paths]
+                    + [(str(path), MIB // 2, MIB // 2) for path in paths]
+                    + [(str(path), MIB, 5) for path in paths]
+                    + [(str(path), 3 * MIB, 4096) for path in paths])
+    assert read == wanted
+
+
+def test_several_chunks_are_read_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    """`STREAMS` reads wait on the device at once (what makes a cold source come in at the
+    device's speed): each read here waits until another is under way too."""
+    path = cold_file(tmp_path / "source", 8 * MIB)
+    monkeypatch.setattr(read_ahead, "CHUNK_BYTES", MIB)
+    together = threading.Barrier(2, timeout=10)
+    shim = Descriptors()
+
+    def sendfile(out: int, fd: int, offset: int, count: int) -> int:
+        together.wait()  # breaks (and the stream stops) unless a second read comes
+        return Descriptors.sendfile(shim, out, fd, offset, count)
+
+    shim.sendfile = sendfile  # type: ignore[method-assign]
+    monkeypatch.setattr(read_ahead, "os", shim)
+    ahead = ReadAhead([path])
+    try:
+        marks = ahead.expect(np.array([0]), np.array([0]), np.array([8 * MIB]))
+        ahead.reached(int(marks[-1]))
+        assert wait_until(lambda: len(shim.sent) == 8)  # (each recorded once under way)
+    finally:
+        ahead.close()
+    assert sorted(offset for _, offset, _ in shim.sent) == [n * MIB for n in range(8)]
 
 
 class Recording:

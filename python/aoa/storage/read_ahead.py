@@ -8,13 +8,14 @@ benchmark read at ~0.6 GB/s, then spent seconds on its last tensors page by page
 ``dd iflag=direct`` read the file at 1.5 GB/s (bench/README.md, goal 5).
 
 `ReadAhead` reads the byte ranges the fills will need, in the order they will need them
-and at most `WINDOW_BYTES` past the fill under way, on a thread of its own, with
-``sendfile`` into ``/dev/null``: the kernel's sequential read-ahead, in large requests and
-large folios, with no copy into this process and nothing mapped in it, so the resident size
-does not grow. Only files not already in the page cache are read ahead (`_resident`: a few
-pages of each probed with ``RWF_NOWAIT``); a warm source costs nothing. It is a hint and
-never fails a conversion: a file it cannot open or read is left to the fills, which read
-it as before and say what is wrong with it. On Linux only; elsewhere the fills read alone.
+and at most `WINDOW_BYTES` past the fill under way, `STREAMS` chunks at a time on threads of
+its own, with ``sendfile`` into ``/dev/null``: the kernel's sequential read-ahead, in large
+requests and large folios, with no copy into this process and nothing mapped in it, so the
+resident size does not grow. Only files not already in the page cache are read ahead
+(`_resident`: a few pages of each probed with ``RWF_NOWAIT``); a warm source costs nothing.
+It is a hint and never fails a conversion: a file it cannot open or read is left to the
+fills, which read it as before and say what is wrong with it. On Linux only; elsewhere the
+fills read alone.
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ import numpy as np
 #: staging buffers' worth of sources, so that a whole fill's are in before it starts, while
 #: a source larger than memory is not read so far ahead that its pages are evicted unread.
 WINDOW_BYTES = 256 << 20
-#: Bytes read ahead per system call (the thread checks for the end between calls).
-CHUNK_BYTES = 8 << 20
+#: Reads in flight at once, each a thread of its own taking the next chunk in order. One
+#: ``sendfile`` at a time keeps one read-ahead window of the kernel's in flight, and the
+#: device serves several at once: the cold 1.55 GB benchmark source read at 1.2-1.6 GB/s by
+#: one, 1.7-2.1 by four and 2.0-2.6 by eight (16 MiB chunks), while ``dd iflag=direct``
+#: read it at 1.0-2.4 (bench/README.md, goal 5).
+STREAMS = 8
+#: Bytes of a chunk: one ``sendfile`` call, after which its thread looks for the end.
+CHUNK_BYTES = 16 << 20
 #: Ranges of one file this close are read as one (a few pages more, far fewer calls).
 MERGE_GAP = 1 << 20
 #: Pages of a file probed to tell whether it is in the page cache already.
@@ -46,19 +53,20 @@ _CAN_READ_AHEAD = sys.platform.startswith("linux") and hasattr(os, "RWF_NOWAIT")
 
 class ReadAhead:
     """Reads ranges of ``paths`` into the page cache ahead of the fills, in the order they
-    are `expect`-ed, no further than `WINDOW_BYTES` past the last mark `reached`."""
+    are `expect`-ed, no further than ``window`` bytes past the last mark `reached`, `STREAMS`
+    reads at a time."""
 
     def __init__(self, paths: Sequence[Path], window: int = WINDOW_BYTES) -> None:
         self._paths = list(paths)
-        self._window = window
         #: whether each file is worth reading ahead: not in the page cache as it starts
         self._cold = [_CAN_READ_AHEAD and not _resident(path) for path in self._paths]
+        self._window = window
         self._runs: deque[tuple[int, int, int, int]] = deque()  # (file, start, end, mark)
         self._queued = 0  # bytes of runs queued so far: each run's mark is where it ends
         self._reached = 0
         self._closed = False
         self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def expect(self, files: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray
                ) -> np.ndarray:
@@ -79,11 +87,13 @@ class ReadAhead:
             self._runs.extend(zip(runs_file.tolist(), runs_start.tolist(),
                                   runs_end.tolist(), ends.tolist()))
             self._queued = int(ends[-1])
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name="aoa-read-ahead",
-                                                daemon=True)
-                self._thread.start()
-            self._changed.notify()
+            if not self._threads and not self._closed:
+                self._threads = [threading.Thread(target=self._run, daemon=True,
+                                                  name=f"aoa-read-ahead-{stream}")
+                                 for stream in range(STREAMS)]
+                for thread in self._threads:
+                    thread.start()
+            self._changed.notify_all()
         return marks
 
     @property
@@ -92,20 +102,20 @@ class ReadAhead:
         return any(self._cold)
 
     def reached(self, mark: int) -> None:
-        """The fills are at ``mark``: reading may run up to `WINDOW_BYTES` past it."""
+        """The fills are at ``mark``: reading may run up to the window past it."""
         with self._changed:
             if mark > self._reached:
                 self._reached = mark
-                self._changed.notify()
+                self._changed.notify_all()
 
     def close(self) -> None:
-        """Stop reading ahead (a read under way ends first)."""
+        """Stop reading ahead (the reads under way end first)."""
         with self._changed:
             self._closed = True
             self._runs.clear()
-            self._changed.notify()
-            thread = self._thread
-        if thread is not None:
+            self._changed.notify_all()
+            threads = self._threads
+        for thread in threads:
             thread.join()
 
     def _next_is_near(self) -> bool:
@@ -115,37 +125,59 @@ class ReadAhead:
         _, start, end, mark = self._runs[0]
         return mark - (end - start) <= self._reached + self._window
 
+    def _next_chunk(self) -> tuple[int, int, int] | None:
+        """The next `CHUNK_BYTES` of the queued runs (file, start, end), once the fills are
+        near enough; None once closed."""
+        with self._changed:
+            while not self._closed and not self._next_is_near():
+                self._changed.wait()
+            if self._closed:
+                return None
+            number, start, end, mark = self._runs[0]
+            if end - start > CHUNK_BYTES:
+                self._runs[0] = (number, start + CHUNK_BYTES, end, mark)
+                return number, start, start + CHUNK_BYTES
+            self._runs.popleft()
+            return number, start, end
+
     def _run(self) -> None:
-        """Read the queued runs in order, each once the fills are near enough; ends with
-        `close` (or at the first file it cannot read: the fills read it themselves)."""
-        descriptors: dict[int, int] = {}
+        """One stream: read chunk after chunk, in order, until `close`. A file it cannot
+        open or read is read no more (`_unreadable`: the fills read it themselves, and say
+        what is wrong). It holds one file open at a time (chunks come file after file), so a
+        source of thousands of files costs no more descriptors than one."""
+        number, fd = -1, -1
         try:
             sink = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         except OSError:
             return
         try:
-            while True:
-                with self._changed:
-                    while not self._closed and not self._next_is_near():
-                        self._changed.wait()
-                    if self._closed:
-                        return
-                    number, start, end, _ = self._runs.popleft()
-                fd = descriptors.get(number)
-                if fd is None:
-                    fd = descriptors[number] = os.open(self._paths[number],
-                                                       os.O_RDONLY | os.O_CLOEXEC)
-                while start < end and not self._closed:
-                    sent = os.sendfile(sink, fd, start, min(CHUNK_BYTES, end - start))
-                    if sent <= 0:  # the file ends sooner than it said: the fills will say
-                        break
-                    start += sent
-        except OSError:
-            return  # a hint only: the fills read whatever is left
+            while (chunk := self._next_chunk()) is not None:
+                try:
+                    if chunk[0] != number:
+                        if fd >= 0:
+                            os.close(fd)
+                            number, fd = -1, -1
+                        fd = os.open(self._paths[chunk[0]], os.O_RDONLY | os.O_CLOEXEC)
+                        number = chunk[0]
+                    _, start, end = chunk
+                    while start < end:
+                        sent = os.sendfile(sink, fd, start, end - start)
+                        if sent <= 0:  # the file ends sooner than it said: the fills say
+                            break
+                        start += sent
+                except OSError:
+                    self._unreadable(chunk[0])
         finally:
-            for fd in descriptors.values():
+            if fd >= 0:
                 os.close(fd)
             os.close(sink)
+
+    def _unreadable(self, number: int) -> None:
+        """File ``number`` is read ahead no more: its queued runs are dropped."""
+        with self._changed:
+            self._cold[number] = False
+            self._runs = deque(run for run in self._runs if run[0] != number)
+            self._changed.notify_all()
 
 
 def _merged(files: np.ndarray, starts: np.ndarray, ends: np.ndarray
