@@ -36,9 +36,9 @@ import numpy as np
 WINDOW_BYTES = 256 << 20
 #: Reads in flight at once, each a thread of its own taking the next chunk in order. One
 #: ``sendfile`` at a time keeps one read-ahead window of the kernel's in flight, and the
-#: device serves several at once: the cold 1.55 GB benchmark source read at 1.2-1.6 GB/s by
-#: one, 1.7-2.1 by four and 2.0-2.6 by eight (16 MiB chunks), while ``dd iflag=direct``
-#: read it at 1.0-2.4 (bench/README.md, goal 5).
+#: device serves several at once: the cold 1.55 GB benchmark source read at 1.0-1.7 GB/s by
+#: one, 1.6-2.4 by four and 2.0-2.6 by eight (16 MiB chunks), while ``dd iflag=direct``
+#: read it at 1.0-2.5 (bench/README.md, goal 5).
 STREAMS = 8
 #: Bytes of a chunk: one ``sendfile`` call, after which its thread looks for the end.
 CHUNK_BYTES = 16 << 20
