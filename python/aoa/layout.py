@@ -3,7 +3,6 @@ suffixes that let optimizer tensors follow their parameter (spec 1.1, 1.2)."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import operator
@@ -232,9 +231,10 @@ _DTYPE = operator.attrgetter("dtype")
 _LOCAL_SHAPE = operator.attrgetter("local_shape")
 
 
-@functools.lru_cache(maxsize=1 << 20)
 def split_optimizer_suffix(key: str) -> tuple[str, str | None]:
-    """(model-state key, suffix) for the first suffix in Paddle's order that ``key`` ends with."""
+    """(model-state key, suffix) for the first suffix in Paddle's order that ``key`` ends with.
+    Not cached: one `str.endswith` answers the usual key, and a cache of the 31k keys of a
+    large model made every later engine in the process slower (bench/README.md, goal 1)."""
     if not key.endswith(OPTIMIZER_SUFFIXES):  # the usual: one test for all of them
         return key, None
     for suffix in OPTIMIZER_SUFFIXES:
