@@ -3,12 +3,15 @@ each leaves, and a README that names every one of them."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import re
 from pathlib import Path
 
 import pytest
 from sharding import sharded
 
+import aoa
 from aoa.ir import Program
 from aoa.passes import PIPELINE, expand_macros, propagate_shapes, through
 from aoa.passes.plan import PlannedProgram
@@ -83,3 +86,24 @@ def test_boxes_side_by_side_are_told_apart_without_comparing_pairs():
     assert not _side_by_side([((0, 0), (8, 4), "a"), ((0, 3), (8, 6), "b")])  # overlap
     assert not _side_by_side([((0, 0), (4, 4), "a"), ((4, 4), (8, 8), "b")])  # two axes
     assert not _side_by_side([((), (), "a"), ((), (), "b")])  # 0-d: left to the pairs
+
+
+def test_compiling_leaves_none_of_a_models_keys_in_aoa_s_caches():
+    """A long-lived process (a Paddle loader with the drop-in) compiles model after model: a
+    cache that kept each model's keys made every later engine slower (bench/README.md, goal
+    1's ninth round) and would grow with every checkpoint."""
+    count = 300
+    keys = [f"model.layers.{n}.w{suffix}" for n in range(count // 2) for suffix in ("", ".w_0")]
+    before = _aoa_cache_sizes()
+    aoa.compile("model.layers.$LAYER_ID.w -> layers.$LAYER_ID.w",
+                {key: sharded(key, (4,), 2, 0) for key in keys})
+    grown = {name: size - before.get(name, 0) for name, size in _aoa_cache_sizes().items()}
+    assert grown and max(grown.values()) < count // 10, grown
+
+
+def _aoa_cache_sizes() -> dict[str, int]:
+    """Entries in each `functools` cache of aoa's modules."""
+    return {f"{wrapper.__module__}.{wrapper.__qualname__}": wrapper.cache_info().currsize
+            for wrapper in gc.get_objects()
+            if isinstance(wrapper, functools._lru_cache_wrapper)
+            and wrapper.__module__.startswith("aoa")}
