@@ -327,6 +327,11 @@ BAD = {  # case: (fixture, how to break it, the message's start after the folder
     "dcp truncated object": ("dcp/tp2", lambda f: _truncate(f / "__1_0.distcp", 1000),
                              "__1_0.distcp: truncated: the object 'step' needs bytes "
                              "[0, 1261) of a file of 1000"),
+    "paddle array of no numpy dtype": ("paddle/tp2",
+                                       lambda f: _replace(f / "0_0.distcp", b"\x8c\x02f4",
+                                                          b"\x8c\x02i0"),
+                                       "0_0.distcp: tensor 'qkv.weight' has numpy "
+                                       "dtype 'i0', which aoa does not read"),
     "torch_dist truncated metadata": ("torch_dist/tp2",
                                       lambda f: _truncate(f / ".metadata", 500),
                                       ".metadata: truncated"),
@@ -335,6 +340,12 @@ BAD = {  # case: (fixture, how to break it, the message's start after the folder
 
 def _truncate(path: Path, size: int) -> None:
     path.write_bytes(path.read_bytes()[:size])
+
+
+def _replace(path: Path, old: bytes, new: bytes) -> None:
+    data = path.read_bytes()
+    assert data.count(old) == 1
+    path.write_bytes(data.replace(old, new))
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -31,6 +31,9 @@ ARRAY_CODES = {
     "int16": "i2", "int8": "i1", "uint64": "u8", "uint32": "u4", "uint16": "u2",
     "uint8": "u1", "bool": "b1",
 }
+#: The codes read back: those written, and no other ("f16" is numpy's long double, "i0"
+#: no type at all).
+_READ_CODES = frozenset(ARRAY_CODES.values())
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def _dtype(record: Any, where: str | Path, what: str) -> np.dtype:
     code = record.args[0]
     order = record.state[1] if isinstance(record.state, tuple) and len(record.state) > 1 \
         else "|"
-    if code[:1] not in "fiub" or not code[1:].isdigit():
+    if code not in _READ_CODES:
         raise StorageError(f"{where}: {what} has numpy dtype '{code}', which aoa does not read")
     if order == ">":
         raise StorageError(f"{where}: {what} is big-endian, which aoa does not read")
