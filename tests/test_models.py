@@ -133,6 +133,31 @@ def test_missing_config_field_is_named():
         mapping_for(config, "paddleformers")
 
 
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("config, field, value, most", [
+    (LLAMA, "num_hidden_layers", 2**40, "16,384"),
+    (MIXTRAL, "num_local_experts", 2**63, "16,384"),
+    (LLAMA, "hidden_size", 2**63, "16,777,216"),
+])
+def test_a_count_past_aoa_s_bound_is_refused_before_any_work(config, field, value, most):
+    with pytest.raises(ModelError) as error:
+        len(mapping_for({**config, field: value}, "megatron").source_tensors)
+    assert error.value.message == (f"config.json: '{field}' is {value}, more than aoa takes "
+                                   f"({most})")
+
+
+def test_counts_that_make_too_many_tensors_are_refused(monkeypatch):
+    most = len(mapping_for(MIXTRAL, "paddleformers").source_tensors)
+    monkeypatch.setattr("aoa.models.base.MAX_MODEL_TENSORS", most)
+    assert len(mapping_for(MIXTRAL, "paddleformers").source_tensors) == most
+    with pytest.raises(ModelError) as error:
+        len(mapping_for({**MIXTRAL, "num_hidden_layers": 3}, "paddleformers").source_tensors)
+    assert error.value.message == (f"config.json: its counts make more than {most} tensors, "
+                                   "more than aoa maps for one model")
+
+
 def test_tensor_parallel_must_divide_heads():
     with pytest.raises(ModelError, match="--tp 8 does not divide num_key_value_heads 4"):
         mapping_for(LLAMA, "paddleformers", Mesh(tp=8))

@@ -37,6 +37,18 @@ MAX_DIMS = 64
 #: numpy and the safetensors format count them.
 MAX_BYTES = 2**63 - 1
 
+#: A count in a model's config.json (layers, experts, heads, hidden and vocabulary sizes):
+#: real ones are at most a few hundred thousand (vocabularies).
+MAX_CONFIG_COUNT = 1 << 24
+
+#: Layers and experts a config.json may count: the library makes tensors and steps for
+#: each one by one.
+MAX_MODEL_UNITS = 1 << 14
+
+#: Tensors a config.json may describe (layers times experts): the largest MoE models have
+#: under 100k.
+MAX_MODEL_TENSORS = 1 << 20
+
 #: Ranks of a destination mesh (files of a sharded output: one per rank).
 MAX_RANKS = 1 << 16
 

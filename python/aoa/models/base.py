@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aoa.errors import AoaError
+from aoa.limits import MAX_CONFIG_COUNT, MAX_MODEL_TENSORS, MAX_MODEL_UNITS
 from aoa.mesh_layout import Placement
 from aoa.storage.stacked import Stacking
 
@@ -28,6 +29,11 @@ class ModelError(AoaError):
 # --- config.json ---------------------------------------------------------------------------
 
 _MISSING = object()
+
+#: The counts a family makes tensors and steps for one by one (`MAX_MODEL_UNITS`).
+_ONE_BY_ONE = frozenset({"num_hidden_layers", "num_nextn_predict_layers",
+                         "first_k_dense_replace", "n_routed_experts", "num_local_experts",
+                         "num_experts"})
 
 
 class Config:
@@ -67,6 +73,10 @@ class Config:
         value = self._value(name, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ModelError(f"{self.path}: '{name}' is {value!r}; a count from 0 is needed")
+        most = MAX_MODEL_UNITS if name in _ONE_BY_ONE else MAX_CONFIG_COUNT
+        if value > most:
+            raise ModelError(f"{self.path}: '{name}' is {value}, more than aoa takes ({most:,})",
+                             hint="The model's original config.json has the right value.")
         return value
 
     def optional_count(self, name: str) -> int | None:
@@ -151,13 +161,19 @@ class Expected:
 
 
 class Tensors:
-    """Builder for a family's expected tensors, key by key, in checkpoint order."""
+    """Builder for a config's expected tensors, key by key, in checkpoint order."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.expected: dict[str, Expected] = {}
         self.group: str | None = None
+        self._path = cfg.path
 
     def add(self, key: str, *dims: Dim) -> None:
+        if len(self.expected) >= MAX_MODEL_TENSORS:
+            raise ModelError(f"{self._path}: its counts make more than {MAX_MODEL_TENSORS:,} "
+                             "tensors, more than aoa maps for one model",
+                             hint="Check num_hidden_layers and the expert counts against the "
+                                  "model's original config.json.")
         self.expected[key] = Expected(tuple(dims), self.group)
 
 

@@ -40,7 +40,7 @@ MTP = "num_nextn_predict_layers"
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     layers = cfg.positive("num_hidden_layers")
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")

@@ -41,7 +41,7 @@ MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     layers = cfg.positive("num_hidden_layers")
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")

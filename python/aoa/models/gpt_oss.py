@@ -32,7 +32,7 @@ EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_b
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")
     experts = dim(cfg.positive("num_local_experts"), "num_local_experts")

@@ -26,7 +26,7 @@ from aoa.models.base import (
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     attention_bias = cfg.flag("attention_bias")
     for layer in range(cfg.positive("num_hidden_layers")):

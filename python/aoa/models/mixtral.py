@@ -29,7 +29,7 @@ EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")
     experts = cfg.positive("num_local_experts")

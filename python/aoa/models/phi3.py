@@ -26,7 +26,7 @@ from aoa.models.base import (
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")
     heads, kv, head_dim = cfg.positive("num_attention_heads"), cfg.kv_heads(), cfg.head_dim()

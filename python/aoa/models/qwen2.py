@@ -15,7 +15,7 @@ from aoa.models.base import LAYER, Config, Expected, Family, Mesh, TargetMapping
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     for layer in range(cfg.positive("num_hidden_layers")):
         prefix = f"model.layers.{layer}."

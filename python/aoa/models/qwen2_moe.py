@@ -43,7 +43,7 @@ def sparse_layers(cfg: Config) -> list[bool]:
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")
     for layer, sparse in enumerate(sparse_layers(cfg)):

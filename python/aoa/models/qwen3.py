@@ -17,7 +17,7 @@ QK_NORMS = ("q_layernorm", "k_layernorm")
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     bias = cfg.flag("attention_bias")
     for layer in range(cfg.positive("num_hidden_layers")):

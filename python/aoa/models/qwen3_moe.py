@@ -30,7 +30,7 @@ from aoa.models.qwen3 import QK_NORMS
 
 
 def tensors(cfg: Config) -> dict[str, Expected]:
-    t = Tensors()
+    t = Tensors(cfg)
     decoder.embeddings(t, cfg)
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")
     bias = cfg.flag("attention_bias")
