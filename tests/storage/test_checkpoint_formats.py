@@ -23,7 +23,10 @@ from frameworks import MEGATRON_PYTHON, PADDLE_PYTHON
 from aoa.cli import main
 from aoa.dtypes import numpy_dtype
 from aoa.errors import StorageError
+from aoa.layout import ShardDesc
+from aoa.storage import pickler
 from aoa.storage.formats import open_source
+from aoa.storage.paddle import metadata_value
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 BENCH = Path(__file__).parent.parent.parent / "bench"
@@ -363,6 +366,52 @@ def test_bad_input_is_a_storage_error_naming_the_file_and_writes_nothing(tmp_pat
                  "--output", str(out), "--output-format", "dcp", "--quiet"]) != 0
     assert f"{folder}/{message}" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())
+
+
+#: paddle/tp2's boxes, as its 0.metadata describes them: (key, local shape, global shape,
+#: global offset, dtype, file)
+TP2_BOXES = [("qkv.weight", (4, 4), (4, 8), (0, 0), "float32", "0_0.distcp"),
+             ("qkv.weight", (4, 4), (4, 8), (0, 4), "float32", "1_0.distcp"),
+             ("down.weight", (3, 4), (6, 4), (0, 0), "bfloat16", "0_0.distcp"),
+             ("down.weight", (3, 4), (6, 4), (3, 0), "bfloat16", "1_0.distcp"),
+             ("norm.weight", (4,), (4,), (0,), "float32", "1_0.distcp")]
+
+
+def _paddle_tp2_metadata(folder: Path, boxes=TP2_BOXES, index_shapes=None) -> None:
+    """paddle/tp2's metadata written again from ``boxes``; ``index_shapes``: the
+    LocalTensorIndex local_shape of each box, where it says another than the box's."""
+    value = metadata_value([(ShardDesc(*box[:5]), box[5]) for box in boxes])
+    for (index, _), shape in zip(value.state["storage_metadata"].items, index_shapes or []):
+        index.state["local_shape"] = shape
+    (folder / "0.metadata").write_bytes(pickler.dumps(value).bytes())
+
+
+def test_paddle_metadata_written_again_reads_as_the_fixture(tmp_path):
+    folder = broken_copy(tmp_path, "paddle/tp2")
+    _paddle_tp2_metadata(folder)
+    assert assemble(folder) == assemble(FIXTURES / "paddle/tp2")
+
+
+@pytest.mark.parametrize("boxes, index_shapes, message", [
+    ([*TP2_BOXES[:1], ("qkv.weight", (4, 4), (4, 9), (0, 4), "float32", "1_0.distcp"),
+      *TP2_BOXES[2:]], None,
+     "state_dict_metadata's boxes of 'qkv.weight' disagree on its global shape: [4, 8] and "
+     "[4, 9]"),
+    (TP2_BOXES, [(4, 4), (4, 3)],
+     "storage_metadata's box of 'qkv.weight' at [0, 4] has shape [4, 3], but "
+     "state_dict_metadata's has [4, 4]"),
+    ([*TP2_BOXES[:1], ("qkv.weight", (4, 4), (4, 8), (0, 4), "float32", "0_0.distcp"),
+      *TP2_BOXES[2:]], None,
+     "'0_0.distcp' holds one array of 'qkv.weight', but storage_metadata stores two boxes of "
+     "it there (at [0, 0] and [0, 4])"),
+])
+def test_paddle_metadata_that_contradicts_itself_is_refused(tmp_path, boxes, index_shapes,
+                                                            message):
+    folder = broken_copy(tmp_path, "paddle/tp2")
+    _paddle_tp2_metadata(folder, boxes, index_shapes)
+    with pytest.raises(StorageError) as caught:
+        open_source(folder)
+    assert caught.value.message == f"{folder / '0.metadata'}: {message}"
 
 
 def _pickle_asking_for(cls: str) -> bytes:

@@ -89,6 +89,7 @@ class StoredTensor:
     flattened_range: tuple[int, int] | None
     replica_id: int | None
     file: str
+    local_shape: tuple[int, ...] | None  # Paddle 3.x says it; older checkpoints do not
 
 
 @dataclass(frozen=True)
@@ -159,12 +160,15 @@ def _stored_tensor(index: Any, file: Any, where: Path) -> StoredTensor:
         flattened = unpickler.int_tuple(fields.get("flattened_range"), where,
                                         f"{what}: flattened_range", size=2)
     replica = fields.get("replica_id")
+    local_shape = fields.get("local_shape")
+    if local_shape is not None:
+        local_shape = unpickler.int_tuple(local_shape, where, f"{what}: local_shape")
     name = unpickler.string(file, where, f"the file of '{key}'")
     if Path(name).name != name or not name:
         raise StorageError(f"{where}: file name '{name}' of '{key}' is not a name inside "
                            "the folder")
     return StoredTensor(key, offset, flattened,  # type: ignore[arg-type]
-                        replica if isinstance(replica, int) else None, name)
+                        replica if isinstance(replica, int) else None, name, local_shape)
 
 
 def metadata_value(boxes: Sequence[tuple[ShardDesc, str]]) -> pickler.Build:
@@ -249,16 +253,29 @@ def open_paddle(path: Path) -> PaddleSource:
 
 def _stored_shards(metadata: PaddleMetadata, where: Path,
                    files: MappedFiles) -> dict[str, list[tuple[ShardDesc, Stored]]]:
+    _check_global_shapes(metadata, where)
     boxes = {(box.key, box.global_offset, box.flattened_range): box
              for boxes in metadata.tensors.values() for box in boxes}
     contents: dict[str, dict[str, Any]] = {}
     chunks: dict[str, list[Chunk]] = {key: [] for key in metadata.tensors}
+    # (file, key) -> the box it holds: a file holds one array per key
+    held: dict[tuple[str, str], LocalTensor] = {}
     for stored in metadata.storage:
         box = boxes.get((stored.key, stored.global_offset, stored.flattened_range))
         if box is None:
             raise StorageError(f"{where}: storage_metadata names a box of '{stored.key}' at "
                                f"{list(stored.global_offset)} that state_dict_metadata does "
                                "not describe")
+        if stored.local_shape is not None and stored.local_shape != box.local_shape:
+            raise StorageError(f"{where}: storage_metadata's box of '{stored.key}' at "
+                               f"{list(stored.global_offset)} has shape "
+                               f"{list(stored.local_shape)}, but state_dict_metadata's has "
+                               f"{list(box.local_shape)}")
+        other = held.setdefault((stored.file, stored.key), box)
+        if other != box:
+            raise StorageError(f"{where}: '{stored.file}' holds one array of '{stored.key}', "
+                               f"but storage_metadata stores two boxes of it there (at "
+                               f"{list(other.global_offset)} and {list(box.global_offset)})")
         path = where.parent / stored.file
         if not path.is_file():
             raise StorageError(f"{where}: names data file '{stored.file}' (for "
@@ -277,6 +294,16 @@ def _stored_shards(metadata: PaddleMetadata, where: Path,
         result[key] = cast(list[tuple[ShardDesc, Stored]],
                            key_shards(key, found, global_shape))
     return result
+
+
+def _check_global_shapes(metadata: PaddleMetadata, where: Path) -> None:
+    """The boxes of a key say one global shape (the first one's is the tensor's)."""
+    for key, boxes in metadata.tensors.items():
+        shapes = {box.global_shape for box in boxes if box.global_shape is not None}
+        if len(shapes) > 1:
+            first, second = sorted(shapes)[:2]
+            raise StorageError(f"{where}: state_dict_metadata's boxes of '{key}' disagree on "
+                               f"its global shape: {list(first)} and {list(second)}")
 
 
 def _file_tensors(data: memoryview, path: Path) -> dict[str, Any]:
