@@ -414,6 +414,39 @@ def test_paddle_metadata_that_contradicts_itself_is_refused(tmp_path, boxes, ind
     assert caught.value.message == f"{folder / '0.metadata'}: {message}"
 
 
+def _dcp_tp2_storage_moved(folder: Path, key: str, **changes) -> None:
+    """dcp/tp2's .metadata (read by torch) with the storage of ``key``'s last chunk (or
+    object) changed."""
+    import dataclasses
+    import pickle
+
+    metadata = pickle.loads((FIXTURES / "dcp/tp2/.metadata").read_bytes())
+    index = [index for index in metadata.storage_data if index.fqn == key][-1]
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **changes)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("key, changes, message", [
+    ("qkv.weight", dict(relative_path="__0_0.distcp", offset=0),
+     ".metadata: storage_data places the chunk of 'qkv.weight' at [0, 0] at bytes [0, 1641) "
+     "and the chunk of 'qkv.weight' at [0, 4] at [0, 1641) of '__0_0.distcp', which overlap"),
+    ("step", dict(offset=1261),
+     ".metadata: storage_data places the object 'step' at bytes [1261, 2522) and the chunk "
+     "of 'qkv.weight' at [0, 4] at [1261, 2902) of '__1_0.distcp', which overlap"),
+    ("step", dict(length=1200),
+     "__1_0.distcp: the object 'step' at bytes [0, 1200): not a zip archive (no end of "
+     "central directory); truncated, or not written by torch.save"),
+])
+def test_dcp_storage_that_contradicts_itself_is_refused(tmp_path, key, changes, message):
+    folder = broken_copy(tmp_path, "dcp/tp2")
+    _dcp_tp2_storage_moved(folder, key)
+    assert assemble(folder) == assemble(FIXTURES / "dcp/tp2")
+    _dcp_tp2_storage_moved(folder, key, **changes)
+    with pytest.raises(StorageError) as caught:
+        open_source(folder)
+    assert caught.value.message == f"{folder}/{message}"
+
+
 def _pickle_asking_for(cls: str) -> bytes:
     module, name = cls.rsplit(".", 1)
     return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b")R."

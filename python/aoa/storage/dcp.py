@@ -23,6 +23,7 @@ A box held by several ranks is written once, as DCP's planner keeps one copy.
 
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 from collections.abc import Sequence
@@ -53,6 +54,7 @@ from aoa.storage.torch_save import (
     SavedTensor,
     TensorToSave,
     TorchSaveLayout,
+    check_torch_save,
     read_torch_save,
     stored,
 )
@@ -162,7 +164,30 @@ def _storage_places(storage: dict, where: Path) -> dict[tuple[str, tuple[int, ..
             (info_fields.get("offset"), info_fields.get("length")), where,
             f"{what}: offset and length")
         places[(key, offsets)] = (path, start, length)
+    _check_apart(places, where)
     return places
+
+
+def _check_apart(places: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]],
+                 where: Path) -> None:
+    """No two items' bytes overlap: DCP writes each archive once, back to back, so two
+    items reading the same bytes mean the metadata lies about one of them."""
+    for first, second in itertools.pairwise(sorted(places.values())):
+        path, start, length = first
+        if second[1] < start + length and second[0] == path:
+            item = next(item for item, place in places.items() if place == first)
+            other = next(other for other, place in places.items()
+                         if place == second and other != item)
+            raise StorageError(f"{where}: storage_data places {_item(item)} at bytes "
+                               f"[{start}, {start + length}) and {_item(other)} at "
+                               f"[{second[1]}, {second[1] + second[2]}) of '{path}', "
+                               "which overlap")
+
+
+def _item(item: tuple[str, tuple[int, ...] | None]) -> str:
+    key, offsets = item
+    return f"the object '{key}'" if offsets is None else \
+        f"the chunk of '{key}' at {list(offsets)}"
 
 
 def _tensor(key: str, entry: Any, places: dict, where: Path) -> DcpTensor:
@@ -304,6 +329,9 @@ def _check_object(item: DcpObject, where: Path, files: MappedFiles) -> None:
     if item.offset + item.length > size:
         raise StorageError(f"{path}: truncated: the object '{item.key}' needs bytes "
                            f"[{item.offset}, {item.offset + item.length}) of a file of {size}")
+    check_torch_save(files.open(path).data, f"{path}: the object '{item.key}' at bytes "
+                     f"[{item.offset}, {item.offset + item.length})", item.offset,
+                     item.offset + item.length)
 
 
 def _key_shards(tensor: DcpTensor, where: Path,

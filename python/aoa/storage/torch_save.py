@@ -123,6 +123,30 @@ def read_torch_save(data: memoryview, where: str | Path, start: int = 0,
     """The object a ``torch.save`` file (or an archive at ``data[start:end]``) holds, its
     tensors as `SavedTensor` records with offsets into ``data``."""
     records = read_records(data, where, start, end)
+    name = _pickle_name(records, where)
+    prefix = name[:-len("data.pkl")]
+    storages: dict[str, SavedStorage] = {}
+
+    def persistent_load(pid: Any) -> SavedStorage:
+        return _storage(pid, records, prefix, storages, where)
+
+    pickle = records[name]
+    loaded = unpickler.load(data, where, ALLOWED, start=pickle.offset,
+                            end=pickle.offset + pickle.nbytes, persistent_load=persistent_load)
+    try:
+        return _tensors(loaded, where)
+    except RecursionError:
+        raise StorageError(f"{where}: the saved object is nested too deeply") from None
+
+
+def check_torch_save(data: memoryview, where: str | Path, start: int = 0,
+                     end: int | None = None) -> None:
+    """That ``data[start:end]`` is a ``torch.save`` archive (its records within it, one
+    pickle), without unpickling it: for objects carried as the bytes they are."""
+    _pickle_name(read_records(data, where, start, end), where)
+
+
+def _pickle_name(records: dict[str, StoredRecord], where: str | Path) -> str:
     pickles = [name for name in records if name.endswith("data.pkl")
                and name.count("/") == 1]
     if len(pickles) != 1:
@@ -130,19 +154,7 @@ def read_torch_save(data: memoryview, where: str | Path, start: int = 0,
                            "where there should be one", hint="Files saved by PyTorch before "
                            "1.6 (not zip archives) are not read; save them again with a newer "
                            "PyTorch.")
-    prefix = pickles[0][:-len("data.pkl")]
-    storages: dict[str, SavedStorage] = {}
-
-    def persistent_load(pid: Any) -> SavedStorage:
-        return _storage(pid, records, prefix, storages, where)
-
-    pickle = records[pickles[0]]
-    loaded = unpickler.load(data, where, ALLOWED, start=pickle.offset,
-                            end=pickle.offset + pickle.nbytes, persistent_load=persistent_load)
-    try:
-        return _tensors(loaded, where)
-    except RecursionError:
-        raise StorageError(f"{where}: the saved object is nested too deeply") from None
+    return pickles[0]
 
 
 def _storage(pid: Any, records: dict[str, StoredRecord], prefix: str,
