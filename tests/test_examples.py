@@ -14,6 +14,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from sharding import ListBoxes
 
 import aoa
 from aoa.compat.paddle import AOAEngine, ShardMappingEntry
@@ -81,16 +82,6 @@ def test_paddle_engine_gives_expected_bytes(name):
         assert got.tobytes() == want.tobytes(), f"{query['key']} {query['global_offset']}"
 
 
-class _ListBoxes:
-    """A descriptor of another class, with lists for boxes: not one of the planned shards
-    as the engine looks them up, so its answer is worked out and checked when asked."""
-
-    def __init__(self, query: dict) -> None:
-        self.key, self.dtype = query["key"], query["dtype"]
-        self.local_shape, self.global_shape, self.global_offset = (
-            list(query[name]) for name in ("local_shape", "global_shape", "global_offset"))
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_paddle_engine_answers_from_the_plan_as_when_asked(name):
     """A query for a planned shard is answered from what planning found; the same box asked
@@ -102,7 +93,7 @@ def test_paddle_engine_answers_from_the_plan_as_when_asked(name):
     engine = AOAEngine(config, case["source"], case["destination"])
     for query in case["queries"]:
         planned = engine.find_shard_sources(aoa.ShardDesc.from_json(query))
-        assert engine.find_shard_sources(_ListBoxes(query)) == planned, query
+        assert engine.find_shard_sources(ListBoxes(query)) == planned, query
         assert engine.find_shard_sources(aoa.ShardDesc.from_json(query)) == planned
         for entry in planned:  # made field by field, they are what their constructors make
             assert type(entry) is ShardMappingEntry and type(entry.postprocess_list) in (
