@@ -212,6 +212,41 @@ def test_bad_input_is_an_error_and_writes_nothing(workspace, capsys, make):
     assert no_partial_files(workspace / "out")
 
 
+def _rows(*spans: tuple[int, int]) -> list[dict]:
+    """Shards of the rows ``spans`` of an [8, 4] float32 tensor 'g', as shard-info JSON."""
+    return [{"key": "g", "local_shape": [stop - start, 4], "global_shape": [8, 4],
+             "global_offset": [start, 0], "dtype": "float32"} for start, stop in spans]
+
+
+@pytest.mark.parametrize("spans, message", [
+    (((0, 4), (4, 8), (0, 4)), None),  # a replica counts once
+    (((0, 4),), "the destination shards of 'g' cover 16 of the 32 elements of its global "
+                "shape [8, 4]"),
+    (((0, 4), (2, 6), (6, 8)), "the destination shards of 'g' overlap: [0:4, 0:4] and "
+                               "[2:6, 0:4] share elements of its global shape [8, 4]"),
+])
+def test_a_shard_list_must_tile_each_tensor(workspace, capsys, spans, message):
+    """A checkpoint written from a shard list that leaves elements out, or overlaps, would
+    be read by no reader whole (aoa's included): refused, nothing written."""
+    hf = tensors()
+    hf_single(workspace / "src", hf)
+    (workspace / "g.aoa").write_text("a.0.gate -> g\n")
+    (workspace / "dst.json").write_text(json.dumps({"g": _rows(*spans)}))
+    status = main(["convert", str(workspace / "g.aoa"), "--source", str(workspace / "src"),
+                   "--destination", str(workspace / "dst.json"), "--output",
+                   str(workspace / "out"), "--quiet"])
+    if message is None:
+        assert status == 0
+        ranks = [read_back(workspace / "out" / f"rank-0000{rank}-of-00003.safetensors")
+                 for rank in range(3)]
+        assert [rank["g"].tobytes() for rank in ranks] == [
+            hf["a.0.gate"][start:stop].tobytes() for start, stop in spans]
+        return
+    assert status == 1
+    assert f"error: {message}" in capsys.readouterr().err
+    assert no_partial_files(workspace / "out")
+
+
 def test_output_folder_that_cannot_be_made(workspace, capsys):
     hf_single(workspace / "src", tensors())
     (workspace / "a_file").write_text("not a folder")

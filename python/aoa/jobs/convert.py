@@ -21,9 +21,10 @@ from aoa.block_scales import Quantized, without_scales
 from aoa.collector import collector_paused
 from aoa.errors import UsageError
 from aoa.jobs.job import Job, ShardInfo, derived_outputs, plan_job
-from aoa.layout import ShardDesc
+from aoa.layout import ShardDesc, check_tiling
 from aoa.mapping import MappingText, as_mapping
 from aoa.mesh_layout import MeshLayout
+from aoa.passes.context import CompileContext
 from aoa.plan import Plan
 from aoa.storage.formats import Destination, Format, OutputFile, Source, format_named
 from aoa.storage.stacked import Stacking, stack_shards
@@ -123,6 +124,18 @@ def _ranks_of_listing(counts: list[int]) -> list[list[int]]:
     return [part.tolist() for part in np.split(order, bounds)]
 
 
+def _check_whole(ctx: CompileContext) -> None:
+    """A shard list's boxes tile each key (a replica counts once): one that leaves elements
+    out, or lists boxes that overlap, would be written without complaint, then refused by
+    aoa's own readers, which ask that of every checkpoint's chunks. Keys sharded alike are
+    checked once."""
+    checked: set[int] = set()
+    for key, number in ctx.destination_shardings.items():
+        if number not in checked and ctx.destination is not None:
+            checked.add(number)
+            check_tiling(key, ctx.destination[key], "destination")
+
+
 def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
             layout: MeshLayout | None = None, destination: ShardInfo | None = None,
             output_format: str | None = None, max_file_bytes: int | None = None,
@@ -148,6 +161,8 @@ def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
         format = format_named("dcp-safetensors" if ranks is not None else "safetensors",
                               "output")
     job = plan_job(mapping, source, by_key, quantized=quantized, strict=strict)
+    if destination is not None:
+        _check_whole(job.compilation.ctx)
     assert format.destination is not None
     stored = stack_shards(job.plan.destinations, stacking) if stacking else None
     files = format.destination.plan_files(stored or job.plan.destinations, ranks,
