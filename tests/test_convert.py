@@ -247,6 +247,23 @@ def test_a_shard_list_must_tile_each_tensor(workspace, capsys, spans, message):
     assert no_partial_files(workspace / "out")
 
 
+def test_an_empty_box_at_another_s_offset_reads_back(workspace):
+    """A shard list may give a rank an empty box (rows 0:0); where it lies at the offset of
+    a box that holds rows, the checkpoint written reads back whole, as a source again."""
+    hf = tensors()
+    hf_single(workspace / "src", hf)
+    (workspace / "g.aoa").write_text("a.0.gate -> g\n")
+    (workspace / "dst.json").write_text(json.dumps({"g": _rows((0, 4), (4, 8), (0, 0))}))
+    assert main(["convert", str(workspace / "g.aoa"), "--source", str(workspace / "src"),
+                 "--destination", str(workspace / "dst.json"), "--output",
+                 str(workspace / "ranks"), "--quiet"]) == 0
+    (workspace / "same.aoa").write_text("g -> g\n")
+    assert main(["convert", str(workspace / "same.aoa"), "--source", str(workspace / "ranks"),
+                 "--output", str(workspace / "whole"), "--quiet"]) == 0
+    assert read_back(workspace / "whole" / "model.safetensors")["g"].tobytes() == \
+        hf["a.0.gate"].tobytes()
+
+
 def test_output_folder_that_cannot_be_made(workspace, capsys):
     hf_single(workspace / "src", tensors())
     (workspace / "a_file").write_text("not a folder")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -259,6 +260,9 @@ def _checked_closely(key: str, chunks: Sequence[Chunk], global_shape: tuple[int,
     ordered = sorted(chunks, key=lambda chunk: chunk.global_offset)
     distinct = [ordered[i] for i in distinct_boxes(ordered)]
     check_tiling(key, global_shape, distinct)
+    if math.prod(global_shape):  # a box of no element holds no byte to read, and may lie at
+        # the offset of one that does, while a shard is found by its key and offset
+        distinct = [chunk for chunk in distinct if math.prod(chunk.local_shape)]
     return [(ShardDesc(key, c.local_shape, global_shape, c.global_offset, c.dtype), c.location)
             for c in distinct]
 
