@@ -224,6 +224,8 @@ def _rows(*spans: tuple[int, int]) -> list[dict]:
                 "shape [8, 4]"),
     (((0, 4), (2, 6), (6, 8)), "the destination shards of 'g' overlap: [0:4, 0:4] and "
                                "[2:6, 0:4] share elements of its global shape [8, 4]"),
+    (((0, 4), (4, 8), (4, 4)), "the destination shards of 'g' put an empty box of shape "
+                               "[0, 4] at [4, 0], where the box of shape [4, 4] starts"),
 ])
 def test_a_shard_list_must_tile_each_tensor(workspace, capsys, spans, message):
     """A checkpoint written from a shard list that leaves elements out, or overlaps, would
@@ -247,13 +249,13 @@ def test_a_shard_list_must_tile_each_tensor(workspace, capsys, spans, message):
     assert no_partial_files(workspace / "out")
 
 
-def test_an_empty_box_at_another_s_offset_reads_back(workspace):
-    """A shard list may give a rank an empty box (rows 0:0); where it lies at the offset of
-    a box that holds rows, the checkpoint written reads back whole, as a source again."""
+def test_an_empty_box_where_none_starts_is_written_and_reads_back(workspace):
+    """A shard list may give a rank an empty box (no rows) where no other box starts: the
+    checkpoint written reads back whole, as a source again."""
     hf = tensors()
     hf_single(workspace / "src", hf)
     (workspace / "g.aoa").write_text("a.0.gate -> g\n")
-    (workspace / "dst.json").write_text(json.dumps({"g": _rows((0, 4), (4, 8), (0, 0))}))
+    (workspace / "dst.json").write_text(json.dumps({"g": _rows((0, 4), (4, 8), (8, 8))}))
     assert main(["convert", str(workspace / "g.aoa"), "--source", str(workspace / "src"),
                  "--destination", str(workspace / "dst.json"), "--output",
                  str(workspace / "ranks"), "--quiet"]) == 0

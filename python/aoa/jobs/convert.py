@@ -10,6 +10,7 @@ files' mappings, and their pages dropped once read.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import numpy as np
 
 from aoa.block_scales import Quantized, without_scales
 from aoa.collector import collector_paused
-from aoa.errors import UsageError
+from aoa.errors import PlanError, UsageError
 from aoa.jobs.job import Job, ShardInfo, derived_outputs, plan_job
 from aoa.layout import ShardDesc, check_tiling
 from aoa.mapping import MappingText, as_mapping
@@ -127,13 +128,29 @@ def _ranks_of_listing(counts: list[int]) -> list[list[int]]:
 def _check_whole(ctx: CompileContext) -> None:
     """A shard list's boxes tile each key (a replica counts once): one that leaves elements
     out, or lists boxes that overlap, would be written without complaint, then refused by
-    aoa's own readers, which ask that of every checkpoint's chunks. Keys sharded alike are
-    checked once."""
+    aoa's own readers, which ask that of every checkpoint's chunks. An empty box (no
+    element) may not start where a box with elements does: readers find a chunk by its key
+    and offset (torch's DCP loader then fails on the sizes). Keys sharded alike are checked
+    once."""
     checked: set[int] = set()
     for key, number in ctx.destination_shardings.items():
-        if number not in checked and ctx.destination is not None:
-            checked.add(number)
-            check_tiling(key, ctx.destination[key], "destination")
+        if number in checked or ctx.destination is None:
+            continue
+        checked.add(number)
+        shards = ctx.destination[key]
+        check_tiling(key, shards, "destination")
+        holding = {shard.global_offset: shard for shard in shards
+                   if math.prod(shard.local_shape)}
+        for shard in shards:
+            other = holding.get(shard.global_offset)
+            if other is not None and not math.prod(shard.local_shape):
+                raise PlanError(
+                    f"the destination shards of '{key}' put an empty box of shape "
+                    f"{list(shard.local_shape)} at {list(shard.global_offset)}, where the box "
+                    f"of shape {list(other.local_shape)} starts",
+                    hint="A checkpoint's chunks are found by key and offset (aoa's and "
+                         "torch's readers): leave the empty box out, or start it where no "
+                         "other box does.")
 
 
 def prepare(mapping: MappingText | str | Sequence[str], source: Source, *,
