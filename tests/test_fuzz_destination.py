@@ -23,9 +23,9 @@ import torch.distributed.checkpoint as dcp
 from fuzzing import NUMBERS, dumps, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
+from sharding import assemble
 
 from aoa import cli
-from aoa.dtypes import numpy_dtype
 from aoa.storage.formats import open_source
 
 SOURCE = Path(__file__).parent / "fixtures" / "dcp" / "tp2"
@@ -36,16 +36,9 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def _source() -> tuple[dict[str, list[dict]], dict[str, np.ndarray]]:
     """The fixture's shard list, and each key's whole tensor."""
     with open_source(SOURCE) as source:
-        listing = {key: [shard.to_json() for shard in shards]
-                   for key, shards in source.shards.items()}
-        whole = {}
-        for key, shards in source.shards.items():
-            array = np.zeros(shards[0].global_shape, numpy_dtype(shards[0].dtype))
-            for shard in shards:
-                array[_box(shard)] = np.frombuffer(bytes(source.buffer(shard)),
-                                                   array.dtype).reshape(shard.local_shape)
-            whole[key] = array
-    return listing, whole
+        return ({key: [shard.to_json() for shard in shards]
+                 for key, shards in source.shards.items()},
+                {key: assemble(source, key) for key in source.shards})
 
 
 def _box(shard) -> tuple[slice, ...]:

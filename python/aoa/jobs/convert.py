@@ -132,12 +132,15 @@ def _check_whole(ctx: CompileContext) -> None:
     element) may not start where a box with elements does: readers find a chunk by its key
     and offset (torch's DCP loader then fails on the sizes). Keys sharded alike are checked
     once."""
+    destination = ctx.destination
+    if destination is None:
+        return
     checked: set[int] = set()
     for key, number in ctx.destination_shardings.items():
-        if number in checked or ctx.destination is None:
+        if number in checked:
             continue
         checked.add(number)
-        shards = ctx.destination[key]
+        shards = destination[key]
         check_tiling(key, shards, "destination")
         holding = {shard.global_offset: shard for shard in shards
                    if math.prod(shard.local_shape)}
