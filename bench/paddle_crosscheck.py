@@ -1,7 +1,8 @@
 """Freeze PaddlePaddle 3.3.1's answers on realistic mappings as golden example cases.
 
-Seventeen mappings in the style of real checkpoints (Qwen3 TP2/TP4, Phi-3, Qwen3-MoE grouped
-GEMM, Kimi-K2, GPT-OSS, LoRA save, optimizer states, and a few single features) are written
+Mappings in the style of real checkpoints (Qwen3 TP2/TP4, Phi-3, Qwen3-MoE grouped GEMM,
+Kimi-K2, GPT-OSS, LoRA save, optimizer states) and single features (quirks Q5-Q7, Q21, Q28
+among them: what aoa must compute as Paddle does) are written
 in the format of examples/README.md to ``tests/golden/paddle_crosscheck/<name>/`` as
 ``case.json`` (statements, shard layouts, queries, Paddle's entries) and ``arrays.npz``
 (random source tensors and every destination shard assembled from Paddle's entries).
@@ -326,6 +327,38 @@ def expert_template() -> Case:
     return ["e.$EXPERT_ID.w^T -> f.$EXPERT_ID.w"], source, destination
 
 
+def keyword_names() -> Case:
+    """Tensors spelled as attribute keywords, in templates as Paddle's macros read them."""
+    source = layout(
+        *(sharded(f"layers.{i}.w", [2, 3]) for i in (0, 1)),
+        *(sharded(f"layers.{i}.u", [3, 2]) for i in (1, 2)),
+        *(sharded(f"layers.0.experts.{e}.v", [2, 2]) for e in (0, 1)),
+        sharded("axis", [2, 3]), sharded("dtype", [3, 2]), sharded("num_heads", [2, 2]),
+        sharded("permute", [2, 4], 2, 1),
+    )
+    destination = layout(
+        *(sharded(f"x.{i}.w", [4, 3], 2, 0) for i in (0, 1)),
+        *(sharded(f"y.{i}.u", [3, 4], 2, 1) for i in (0, 1)),
+        *(sharded(f"e.0.{e}.v", [4, 2]) for e in (0, 1)),
+        sharded("p", [4, 2], 2, 0),
+    )
+    statements = [
+        "layers.$LAYER_ID.w, axis -> x.$LAYER_ID.w, axis=0",
+        "layers.$LAYER_ID_OFFSET.u, dtype -> y.$LAYER_ID_OFFSET.u, axis=1",
+        "layers.$LAYER_ID.experts.$EXPERT_ID.v, num_heads -> e.$LAYER_ID.$EXPERT_ID.v, axis=0",
+        "permute^T -> p",
+    ]
+    return statements, source, destination
+
+
+def cast_then_concat() -> Case:
+    source = layout(sharded("a", [2, 4]), sharded("b", [2, 4]))
+    destination = layout(sharded("d", [4, 4], 2, 1, "float16"))
+    statements = ["a -> a16, dtype='float16'", "a16, b -> c, axis=0",
+                  "c -> d, dtype='float16'"]
+    return statements, source, destination
+
+
 # The order is that of the random stream: a new case goes at the end.
 CASES: dict[str, Callable[[], Case]] = {
     "qwen3_tp2": lambda: qwen3(tensor_parallel=2),
@@ -353,6 +386,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "split_reuse": split_reuse,
     "star_full_export": star_full_export,
     "expert_template": expert_template,
+    "keyword_names": keyword_names,
+    "cast_then_concat": cast_then_concat,
 }
 
 DESCRIPTIONS = {
@@ -394,6 +429,11 @@ DESCRIPTIONS = {
     "split_reuse": "One split piece read twice and the other transposed (tied reads).",
     "star_full_export": "`*` collected into a concat, exported without a destination.",
     "expert_template": "$EXPERT_ID alone, transposed, into 3 row shards per expert.",
+    "keyword_names": "Tensors named `axis`, `dtype`, `num_heads` and `permute` (Q21): in a "
+    "$LAYER_ID, $LAYER_ID_OFFSET or $EXPERT_ID template from such a name on, names are taken "
+    "as written, so one tensor joins every instance.",
+    "cast_then_concat": "A float16 cast tensor joined with a float32 one (a cast keeps the "
+    "recorded dtype, Q28), then the whole cast to float16.",
 }
 
 WHY = "Paddle 3.3.1 computes it correctly (policy 0.1); frozen from bench/paddle_reference.py"

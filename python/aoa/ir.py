@@ -25,7 +25,8 @@ SHARD_COUNT_FLAGS = PER_SHARD_FLAGS | {"fused_in_proj"}
 #: Attributes whose value is a key written bare (PaddleFormers' `tp_probe_key=model.x.w`).
 NAME_ATTRIBUTES = frozenset({"tp_probe_key"})
 
-#: Paddle's GLOBAL_ATTRIBUTE_KEYWORDS: names that cannot be tensors.
+#: Paddle's GLOBAL_ATTRIBUTE_KEYWORDS. In aoa a tensor may be named so; its templates treat
+#: such a name as Paddle's do (expand_macros, quirk Q21).
 ATTRIBUTE_KEYWORDS = frozenset({
     "axis", "fused_ffn", "fused_qkv_old", "num_heads", "num_key_value_groups", "permute",
     "dtype", "fused_qkv", "src_dtype", "dst_dtype",

@@ -17,7 +17,15 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from aoa.errors import MacroError
-from aoa.ir import Name, Origin, Program, Statement, make_name, make_statement
+from aoa.ir import (
+    ATTRIBUTE_KEYWORDS,
+    Name,
+    Origin,
+    Program,
+    Statement,
+    make_name,
+    make_statement,
+)
 from aoa.limits import MAX_MACRO_NAMES, MAX_TEMPLATE_INSTANCES
 from aoa.passes.context import CompileContext
 
@@ -106,6 +114,16 @@ def _template(base: str) -> _Template:
 
 def _names(statement: Statement) -> tuple[Name, ...]:
     return statement.left + statement.right
+
+
+def _spelled_as_keyword(name: Name) -> bool:
+    """Whether ``name`` is spelled as one of Paddle's attribute keywords (`axis`, `dtype`,
+    ...). Paddle's macros cannot tell such a tensor from an attribute (quirk Q21): its
+    $LAYER_ID_OFFSET leaves the name without the tag, and its $LAYER_ID / $EXPERT_ID asks
+    the placeholders only of the names before it; the names from it on are taken as
+    written in every instance (`layers.$LAYER_ID.w, axis -> x.$LAYER_ID.w, axis=0` joins
+    the one tensor `axis` to each layer's). aoa takes those programs as Paddle does."""
+    return name.array is None and name.text in ATTRIBUTE_KEYWORDS
 
 
 def _id_format(text: str, placeholders: tuple[str, ...]) -> str | None:
@@ -227,7 +245,7 @@ class _Expander:
         if not tagged:
             return [statement]
         for name in names:
-            if LAYER_ID_OFFSET not in name.text:
+            if LAYER_ID_OFFSET not in name.text and not _spelled_as_keyword(name):
                 raise MacroError(
                     f"'{name.text}' lacks {LAYER_ID_OFFSET}, which every name of this "
                     "statement must carry", name.span,
@@ -306,6 +324,8 @@ class _Expander:
             self._match_ids(template, produced, values)
         marks = [p[1:] for p in found]
         for name in names:
+            if _spelled_as_keyword(name):
+                break  # (Paddle checks the names before such a one only: Q21)
             text = name.text
             missing = [p for p, mark in zip(found, marks) if mark not in text] if len(
                 found) > 1 else (found if marks[0] not in text else ())

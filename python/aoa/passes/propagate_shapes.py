@@ -44,7 +44,8 @@ def split(tensor: Tensor, axis: int, parts: int) -> list[Tensor]:
             for piece_map in symbolic.split(tensor.piece_map, axis, parts)]
 
 
-def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
+def concat(tensors: Sequence[Tensor], axis: int, dtype: str | None) -> Tensor:
+    """``tensors`` joined along ``axis``, recorded as ``dtype`` (`_Machine.check_concat`)."""
     offsets: list[int] = []
     keys: list[str] = []
     for tensor in tensors:
@@ -52,7 +53,7 @@ def concat(tensors: Sequence[Tensor], axis: int) -> Tensor:
         keys += tensor.keys
         tensor.uses += 1
     return Tensor(symbolic.concat([t.piece_map for t in tensors], offsets, axis), tuple(keys),
-                  tensors[0].dtype)
+                  dtype)
 
 
 def transpose(tensor: Tensor, permute: Permute) -> Tensor:
@@ -68,6 +69,25 @@ def cast(tensor: Tensor, dtype: str) -> Tensor:
 def identity(tensor: Tensor) -> Tensor:
     tensor.uses += 1
     return Tensor(tensor.piece_map, tensor.keys, tensor.dtype)
+
+
+def _held_dtypes(tensor: Tensor) -> set[str | None]:
+    """The dtypes the pieces of ``tensor`` are in: each one's last cast, else the dtype
+    recorded (the source's: a concat records another only where every piece is cast)."""
+    held = set()
+    for piece in tensor.piece_map.pieces:
+        casts = [op for op in piece.ops if isinstance(op, str) and op in CAST_TARGETS]
+        held.add(casts[-1] if casts else tensor.dtype)
+    return held
+
+
+def _described(tensor: Tensor, held: set[str | None]) -> str:
+    """``tensor``'s dtype for a message: the one its pieces are in, as cast."""
+    if held == {tensor.dtype}:
+        return str(tensor.dtype)
+    if len(held) == 1:
+        return f"{tensor.dtype}, cast to {next(iter(held))}"
+    return f"pieces in {' and '.join(sorted(map(str, held)))}"
 
 
 class _Machine:
@@ -161,11 +181,11 @@ class _Machine:
         if len(left) > 1:
             tensors = [self.ref(name, statement) for name in left]
             axis = self.axis(statement, tensors[0], attributes)
-            self.check_concat(statement, left, tensors, axis)
+            dtype = self.check_concat(statement, left, tensors, axis)
             if statement.origin is not None and statement.origin.macro in PER_SHARD_FLAGS:
                 self.check_fused_pieces(statement, tensors, axis)
             self.check_pieces(sum(len(t.piece_map.pieces) for t in tensors), statement)
-            self.bind(right[0], concat(tensors, axis), statement)
+            self.bind(right[0], concat(tensors, axis, dtype), statement)
             return
         (source_name,), (target,) = left, right
         if target.text == NOTHING:
@@ -188,7 +208,15 @@ class _Machine:
                          hint="Each concat adds up the pieces of its inputs, and each split "
                               "cuts the pieces it crosses.")
 
-    def check_concat(self, statement, names, tensors, axis) -> None:
+    def check_concat(self, statement, names, tensors, axis) -> str | None:
+        """Check that ``tensors`` join along ``axis``; the dtype their concat records.
+
+        Tensors recorded in one dtype join as in Paddle, whatever their pieces are cast to:
+        a later cast of the whole may make them one dtype (spec 6.2; the plan refuses a
+        destination its pieces do not fill in its dtype). Where the recorded dtypes differ,
+        Paddle raises, though its casts may have made the bytes one dtype (quirk Q28: a
+        cast keeps the recorded dtype); aoa joins them when every piece is then in one
+        dtype, and records that one (policy 0.2)."""
         first = tensors[0]
         expected = first.shape[:axis] + first.shape[axis + 1:]
         for name, tensor in zip(names[1:], tensors[1:]):
@@ -198,11 +226,18 @@ class _Machine:
                              f"{list(tensor.shape)} with '{names[0].text}' of shape "
                              f"{list(first.shape)} along axis {axis}", name.span, statement,
                              hint="All dimensions but the concat axis must be equal.")
-            if tensor.dtype != first.dtype:
-                raise _error(ShapeError, f"cannot concatenate '{name.text}' ({tensor.dtype}) "
-                             f"with '{names[0].text}' ({first.dtype}): the dtypes differ",
+        if all(tensor.dtype == first.dtype for tensor in tensors):
+            return first.dtype
+        held = [_held_dtypes(tensor) for tensor in tensors]
+        for name, tensor, dtypes in zip(names[1:], tensors[1:], held[1:]):
+            if dtypes != held[0] or len(dtypes) > 1:
+                raise _error(ShapeError, f"cannot concatenate '{name.text}' "
+                             f"({_described(tensor, dtypes)}) with '{names[0].text}' "
+                             f"({_described(first, held[0])}): the dtypes differ",
                              name.span, statement,
                              hint="Cast the tensors to one dtype after the concat.")
+        (dtype,) = held[0]
+        return dtype
 
     def check_fused_pieces(self, statement: Statement, pieces: Sequence[Tensor],
                            axis: int) -> None:
