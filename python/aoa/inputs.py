@@ -63,11 +63,6 @@ def load_json(text: str, where: str, error: type[AoaError] = UsageError,
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def has_surrogate_escape(text: str) -> bool:
-    """Whether JSON ``text`` may decode to a string holding a surrogate."""
-    return _SURROGATE_ESCAPE.search(text) is not None
-
-
 def _has_lone_surrogate(value: Any) -> bool:
     """Whether any string in ``value`` (keys too) is not Unicode text. Walked with a stack,
     not recursion: the value may be nested as deep as the parser allowed."""

@@ -78,7 +78,6 @@ class Job:
     direction: str  # "forward", "inverse" or "reshard"
     mapping: ModelMapping
     text: str
-    text_origin: str
     layout: MeshLayout | None
     conversion: Conversion
     record: dict[str, Any]
@@ -250,7 +249,7 @@ def _forward(cfg: Config, family, checkpoint: Source, target: str, mesh: Mesh,
     else:
         record = _record(mapping, text, origin, source_dtypes, own)
     record["absent_groups"] = sorted(absent)
-    return Job("forward", mapping, text, origin, mapping.layout, conversion, record, notes)
+    return Job("forward", mapping, text, mapping.layout, conversion, record, notes)
 
 
 def _stored_as(mapping: ModelMapping, own: bool, carried: Mapping[str, bytes] | None = None
@@ -299,7 +298,7 @@ def _inverse(cfg: Config, family, checkpoint: Source, record: dict,
                f"{record.get('mapping_origin')} (reversed)", layout=None)
     out["mesh"] = Mesh().to_json()
     out.pop("stacking", None)
-    return Job("inverse", mapping, text, out["mapping_origin"], None, conversion, out)
+    return Job("inverse", mapping, text, None, conversion, out)
 
 
 def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
@@ -336,8 +335,7 @@ def _reshard(cfg: Config, family, checkpoint: Source, record: dict, mesh: Mesh,
         out = _record(mapping, mapping.forward, "aoa.models", record["source_dtypes"], own)
     out["absent_groups"] = record.get("absent_groups", [])
     out["resharded_with"] = text
-    return Job("reshard", mapping, text, "aoa.models reshard", mapping.layout, conversion,
-               out)
+    return Job("reshard", mapping, text, mapping.layout, conversion, out)
 
 
 # --- checks --------------------------------------------------------------------------------

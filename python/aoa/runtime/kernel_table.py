@@ -32,8 +32,8 @@ from aoa.runtime.lower import lower
 DTYPE_CODES: dict[str, int] = dict(_core.DTYPE_CODES)
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
-#: Where a record's buffer numbers and destination offset lie, from its first field.
-SOURCE, DESTINATION, DESTINATION_OFFSET = 0, 2, 3
+#: Where a record's buffer numbers lie, from its first field.
+SOURCE, DESTINATION = 0, 2
 
 
 def record(copy: Copy) -> tuple[list[int], int]:

@@ -132,10 +132,6 @@ class OutputFolder:
         self._made: list[Path] = []
         self._staged: list[Path] = []
 
-    @property
-    def is_open(self) -> bool:
-        return self._lock is not None
-
     # -- taking the folder ---------------------------------------------------------------
 
     def open(self, sharing: Sharing | None = None) -> None:
