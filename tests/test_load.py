@@ -377,6 +377,61 @@ def test_tied_buffers_that_nothing_fills_are_refused(embedding):
         "makes none of them, and the source has no key of those names")
 
 
+def _overlapping_views() -> dict[str, tuple]:
+    """Pairs of buffers for 'embed' and 'head' ([6, 4] each) that share some memory."""
+    flat = np.zeros(40, np.float32)
+    wide = np.zeros((6, 8), np.float32)
+    reversed_rows = np.zeros((6, 4), np.float32)
+    return {"shifted": (flat[:24].reshape(6, 4), flat[16:].reshape(6, 4)),
+            "a strided view across another": (wide[:, 2:6], wide[:, ::2]),
+            "one reversed over the other": (reversed_rows, reversed_rows[::-1])}
+
+
+@pytest.mark.parametrize("case", sorted(_overlapping_views()))
+def test_buffers_that_share_memory_are_refused_before_a_byte_moves(embedding, case):
+    folder, _ = embedding
+    embed, head = _overlapping_views()[case]
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load("embed -> embed\nhead -> head", source=folder, progress=False,
+                 into={"embed": embed, "head": head})
+    assert error.value.message == ("the buffers for 'embed' and 'head' share memory: each "
+                                   "would be written over the other")
+    assert not embed.any() and not head.any()
+
+
+def test_boxes_of_one_key_that_share_memory_are_refused(embedding):
+    folder, _ = embedding
+    rows = np.zeros((5, 4), np.float32)
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load("embed -> embed\nhead -> _", source=folder, progress=False,
+                 into={"embed": [aoa.Shard(rows[:3], (6, 4), (0, 0)),
+                                 aoa.Shard(rows[2:], (6, 4), (3, 0))]})
+    assert error.value.message == ("two buffers for 'embed' (the boxes at [0, 0] and [3, 0]) "
+                                   "share memory: each would be written over the other")
+
+
+def test_interleaved_views_of_one_array_are_filled(embedding):
+    """`fused[:, ::2]` and `fused[:, 1::2]`: their byte ranges meet, their elements do not."""
+    folder, arrays = embedding
+    fused = np.zeros((6, 8), np.float32)
+    aoa.load("embed -> embed\nhead -> head", source=folder, progress=False,
+             into={"embed": fused[:, ::2], "head": fused[:, 1::2]})
+    want = np.empty((6, 8), np.float32)
+    want[:, ::2], want[:, 1::2] = arrays["embed"], arrays["head"]
+    assert_same_bytes(fused, want)
+
+
+def test_torch_views_that_share_storage_are_refused(embedding):
+    torch = pytest.importorskip("torch")
+    folder, _ = embedding
+    flat = torch.zeros(40)
+    with pytest.raises(aoa.ValidationError) as error:
+        aoa.load("embed -> embed\nhead -> head", source=folder, progress=False,
+                 into={"embed": flat[:24].view(6, 4), "head": flat[12:36].view(6, 4)})
+    assert error.value.message.startswith("the buffers for 'embed' and 'head' share memory")
+    assert not flat.any()
+
+
 def test_tied_qwen2_embeddings_load_into_the_state_dict(tmp_path):
     """transformers saves a tied model's embedding once; `model.state_dict()` holds it under
     both names, as one tensor. The loaded model gives the saved model's logits."""

@@ -25,7 +25,7 @@ from aoa.layout import ShardDesc, as_box, distinct_boxes, split_optimizer_suffix
 from aoa.mapping import MappingText, as_mapping
 from aoa.pipeline import Compilation
 from aoa.plan import Plan
-from aoa.runtime.buffers import Adapted, DeviceBuffer, HostBuffer, adapt
+from aoa.runtime.buffers import Adapted, DeviceBuffer, HostBuffer, adapt, overlapping
 from aoa.runtime.progress import progress_bar
 from aoa.storage.formats import Piece, Source, opened
 
@@ -105,6 +105,7 @@ def load(mapping: str | os.PathLike[str] | Sequence[str] | MappingText,
             made = compile_mapping(text, checkpoint.shards, plan=False, strict=strict)
             compiled = time.perf_counter() - start
             targets, tied = _untie(_targets(into), made)
+            _check_apart(targets)
         except AoaError as failure:
             if world is None:
                 raise
@@ -222,6 +223,23 @@ def _untie(targets: list[_Target], made: Compilation
                 dropped.add(id(target))
                 tied[target.desc.key] = kept
     return [t for t in targets if id(t) not in dropped], tied
+
+
+def _check_apart(targets: Sequence[_Target]) -> None:
+    """No two buffers share memory but tied ones (`_untie`) and one box given twice: both
+    would be written, and one would keep the other's bytes."""
+    found = overlapping([t.buffer for t in targets], [t.desc for t in targets])
+    if found is None:
+        return
+    one, other = (targets[i].desc for i in found)
+    if one.key == other.key:
+        what = (f"two buffers for '{one.key}' (the boxes at {list(one.global_offset)} and "
+                f"{list(other.global_offset)})")
+    else:
+        what = f"the buffers for '{one.key}' and '{other.key}'"
+    raise ValidationError(f"{what} share memory: each would be written over the other",
+                          hint="Give each box its own memory; tied weights share a buffer "
+                               "as one tensor, of one shape at one place.")
 
 
 def _made(made: Compilation, key: str) -> bool:

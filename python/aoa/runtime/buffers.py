@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -229,3 +229,66 @@ def _device_of(pointer: int) -> int:
     import cupy
 
     return int(cupy.cuda.runtime.pointerGetAttributes(pointer).device)
+
+
+# -- memory shared between buffers ---------------------------------------------------------
+
+
+def overlapping(buffers: Sequence[Adapted], labels: Sequence[object]) -> tuple[int, int] | None:
+    """The positions of two of ``buffers`` that share an element of memory, if any: the
+    kernel's threads would write both, and one key would be left with the other's bytes.
+    Buffers at one place, of one shape and dtype, with equal ``labels``, are the same
+    destination given twice and filled alike. Byte ranges are compared first, in one sweep;
+    where two meet and either is strided (`w[:, ::2]` beside `w[:, 1::2]` share none), numpy
+    tells exactly (`np.shares_memory`)."""
+    spans = sorted(span for position, buffer in enumerate(buffers)
+                   if (span := _span(buffer, position)) is not None)
+    begun: list[_Span] = []  # the spans begun so far that may reach the next one
+    device, reach = None, 0
+    for span in spans:
+        if span[0] != device or span[1] >= reach:  # (apart from all before it)
+            device, reach, begun = span[0], span[2], [span]
+            continue
+        begun = [other for other in begun if other[2] > span[1]]
+        for other in begun:
+            one, two = buffers[other[3]], buffers[span[3]]
+            if (one.place, one.shape, one.dtype, labels[other[3]]) == (
+                    two.place, two.shape, two.dtype, labels[span[3]]):
+                continue
+            if _share_memory((other, one), (span, two)):
+                return min(other[3], span[3]), max(other[3], span[3])
+        begun.append(span)
+        reach = max(reach, span[2])
+    return None
+
+
+#: The bytes a buffer reaches: device, [start, end), the buffer's position.
+_Span = tuple[str, int, int, int]
+
+
+def _span(buffer: Adapted, position: int) -> _Span | None:
+    if buffer.place is None or not prod(buffer.shape):
+        return None  # (no place known, or no element)
+    device, address, strides = buffer.place
+    start = end = address
+    for size, stride in zip(buffer.shape, strides):
+        if stride < 0:
+            start += (size - 1) * stride
+        else:
+            end += (size - 1) * stride
+    return device, start, end + itemsize(buffer.dtype), position
+
+
+def _share_memory(*given: tuple[_Span, Adapted]) -> bool:
+    """Whether two buffers whose spans meet share a byte. Their memory is described to numpy
+    by address and never read: it may be a GPU's."""
+    places = [buffer.place for _, buffer in given]
+    if all(place is not None and place[2] == c_strides(buffer.shape, itemsize(buffer.dtype))
+           for place, (_, buffer) in zip(places, given)):
+        return True
+    start, end = min(span[1] for span, _ in given), max(span[2] for span, _ in given)
+    memory = np.ctypeslib.as_array((ctypes.c_uint8 * (end - start)).from_address(start))
+    first, second = (np.lib.stride_tricks.as_strided(
+        memory[place[1] - start:], (*buffer.shape, itemsize(buffer.dtype)), (*place[2], 1))
+        for place, (_, buffer) in zip(places, given) if place is not None)
+    return bool(np.shares_memory(first, second))
