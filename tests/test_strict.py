@@ -86,6 +86,66 @@ def test_lenient_expands_it_to_nothing_as_paddle_does(source, tmp_path, capsys):
     assert sorted(written(out)) == ["model.layers.0.w", "model.layers.1.w", "norm.weight"]
 
 
+# -- a name written twice, the first result never read -------------------------------------
+
+COPIED = """\
+model.layers.0.w -> layers.0.w
+model.layers.1.w -> layers.0.w
+model.norm.weight -> norm.weight
+"""
+
+
+def test_a_name_written_over_before_anything_reads_it_is_refused(source, tmp_path, capsys):
+    folder, arrays = source
+    (tmp_path / "copied.aoa").write_text(COPIED)
+    out = tmp_path / "out"
+    status, err = cli("convert", tmp_path / "copied.aoa", "--source", folder, "--output", out,
+                      "--quiet", capsys=capsys)
+    assert status == 1 and not out.exists()
+    mapping = tmp_path / "copied.aoa"
+    assert err.splitlines() == [
+        f"{mapping}:2:21: error: 'layers.0.w' is written again, but nothing read what the "
+        f"statement at {mapping}:1:1 wrote to it: that result would be lost",
+        "    model.layers.1.w -> layers.0.w",
+        "                        ^^^^^^^^^^",
+        "  hint: Give each result a name of its own (a template's target needs its "
+        "placeholder); to change a tensor, read it: `t -> t, dtype='float16'`."]
+    status, err = cli("convert", mapping, "--source", folder, "--output", out, "--quiet",
+                      "--lenient", capsys=capsys)
+    assert status == 0 and "note: 'layers.0.w' is written again" in err
+    got = written(out)  # Paddle's meaning: the last write
+    assert sorted(got) == ["layers.0.w", "norm.weight"]
+    assert got["layers.0.w"].tobytes() == arrays["model.layers.1.w"].tobytes()
+
+
+@pytest.mark.parametrize(("statements", "reverse", "message"), [
+    (["model.layers.$LAYER_ID.w -> axis"], False,
+     "<statement 0>:1:29: error: 'axis' is written again, but nothing read what "
+     "'model.layers.0.w -> axis' (expanded from the statement at <statement 0>:1:1) wrote to "
+     "it: that result would be lost"),
+    (["x.$LAYER_ID.w, dtype -> model.layers.$LAYER_ID.w, axis=1"], True,
+     "<statement 0>:1:16: error: 'dtype' is written again, but nothing read what "
+     "'x.1.w, dtype -> model.layers.1.w, axis=1' (expanded from the statement at "
+     "<statement 0>:1:1) wrote to it: that result would be lost"),
+])
+def test_template_instances_writing_one_name_are_refused(statements, reverse, message):
+    """A name spelled as a keyword needs no placeholder in a template (Q21), so each
+    instance writes it; run backwards, a tensor joined to every layer is split off each."""
+    shards = {key: [aoa.ShardDesc.full(key, array.shape, "float32")]
+              for key, array in weights().items()}
+    with pytest.raises(aoa.ValidationError) as raised:
+        aoa.compile(statements, shards, reverse=reverse, strict=True)
+    assert raised.value.render().splitlines()[0] == message
+
+
+def test_a_name_read_before_it_is_written_again_passes():
+    shards = {key: [aoa.ShardDesc.full(key, array.shape, "float32")]
+              for key, array in weights().items()}
+    aoa.compile(["model.layers.0.w -> t", "t -> u", "model.layers.1.w -> t",
+                 "t -> t, dtype='float16'", "model.norm.weight -> n, axis=0",
+                 "model.layers.0.w -> n"], shards, strict=True)
+
+
 # -- a key no statement mentions, passed on while others are renamed ------------------------
 
 FORGOTTEN = "model.layers.$LAYER_ID.w -> layers.$LAYER_ID.w\n"

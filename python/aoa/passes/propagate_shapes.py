@@ -90,6 +90,17 @@ def _described(tensor: Tensor, held: set[str | None]) -> str:
     return f"pieces in {' and '.join(sorted(map(str, held)))}"
 
 
+def _lost(name: Name, earlier: Statement, statement: Statement) -> ValidationError:
+    """The error for ``name``, written by ``statement`` over what ``earlier`` wrote."""
+    where = earlier.span.location() if earlier.span is not None else "?"
+    what = (f"'{earlier}' (expanded from the statement at {where})"
+            if earlier.origin is not None else f"the statement at {where}")
+    return _error(ValidationError, f"'{name.text}' is written again, but nothing read what "
+                  f"{what} wrote to it: that result would be lost", name.span, statement,
+                  hint="Give each result a name of its own (a template's target needs its "
+                       "placeholder); to change a tensor, read it: `t -> t, dtype='float16'`.")
+
+
 class _Machine:
     def __init__(self, program: Program, ctx: CompileContext) -> None:
         self.ctx = ctx
@@ -98,6 +109,8 @@ class _Machine:
         self.state = SymbolicTensors(program, self.inputs, {})
         self.bound = self.state.bound
         self.destination_keys = ctx.destination_keys
+        #: the statement that last wrote each name
+        self.writers: dict[str, Statement] = {}
         #: (permute= text, rank) -> the permutation it makes (a transpose per layer and
         #: matrix asks the same one, mostly `permute="[]"` of `^T`)
         self.permutes: dict[tuple[str, int], Permute] = {}
@@ -112,12 +125,26 @@ class _Machine:
         return tensor
 
     def bind(self, name: Name, tensor: Tensor, statement: Statement) -> None:
+        lost = self.bound.get(name.text)
+        if lost is not None and not lost.uses and lost is not tensor:
+            self.check_lost(name, lost, statement)
         self.bound[name.text] = tensor
+        self.writers[name.text] = statement
         if not tensor.name:
             tensor.name = name.text
         if name.text in self.destination_keys:
             self.state.outputs[name.text] = tensor
             self.state.writers[name.text] = statement
+
+    def check_lost(self, name: Name, lost: Tensor, statement: Statement) -> None:
+        """A name written again before anything read what was written to it: that result
+        is lost (Paddle keeps the last write), most likely a name written twice by mistake,
+        as a copied statement or a template whose target lacks its placeholder does. (The
+        instances share_instances sets aside write keys written once in the program.)"""
+        if sum(other is lost for other in self.bound.values()) > 1 or (
+                lost.name in self.ctx.source_keys and self.inputs.get(lost.name) is lost):
+            return  # (another name stands for it too, a source key's own: an alias keeps it)
+        self.ctx.mistake(_lost(name, self.writers[name.text], statement))
 
     def axis(self, statement: Statement, tensor: Tensor, attributes: Sequence[Attribute]) -> int:
         if len(attributes) != 1 or attributes[0].key != "axis":

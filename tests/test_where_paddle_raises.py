@@ -9,6 +9,10 @@ tests/golden/paddle_crosscheck (`keyword_names`, `cast_then_concat`).
   with a float16 one, raises there ("All tensors must have the same dtype when
   concatenating"). aoa joins tensors whose bytes are one dtype, and names the dtypes as
   cast where they are not.
+- A template name with `^T`: Paddle's `*` fails to parse what it makes of `e.*.w^T`
+  ("SyntaxError: Expected TokenType.IDENTIFIER, got TokenType.RARROW"), and its
+  $LAYER_ID_OFFSET looks for keys ending in `^T`, finds none and drops the statement. aoa
+  transposes each instance, as Paddle's $LAYER_ID does.
 
 Each tensor is loaded by the kernel from a file the `safetensors` package wrote and
 compared with numpy."""
@@ -104,3 +108,14 @@ def test_tensors_in_different_dtypes_are_not_joined(statements, message):
     lines = raised.value.render().splitlines()
     assert lines[0] == message
     assert lines[-1] == "  hint: Cast the tensors to one dtype after the concat."
+
+
+def test_templates_with_a_transposed_name_transpose_each_instance(tmp_path):
+    source = {"e.0.w": A, "e.1.w": A + 1, "l.1.w": A + 2, "l.2.w": A + 3}
+    into = {"s": np.zeros((8, 2), np.float32), "o.0.w": np.zeros((4, 2), np.float32),
+            "o.1.w": np.zeros((4, 2), np.float32)}
+    got = loaded(tmp_path, ["e.*.w^T -> s, axis=0",
+                            "l.$LAYER_ID_OFFSET.w^T -> o.$LAYER_ID_OFFSET.w"], source, into)
+    want = {"s": np.concatenate([A.T, (A + 1).T]), "o.0.w": (A + 2).T, "o.1.w": (A + 3).T}
+    for key, value in want.items():
+        assert got[key].tobytes() == value.tobytes(), key
