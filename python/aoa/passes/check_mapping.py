@@ -10,8 +10,9 @@ strict mode and noted otherwise (`CompileContext.mistake`).
   destination over another shard count through no statement of its macro: copied as it
   lies, its halves or heads land on the wrong ranks.
 
-A statement that expands to nothing and a `fused_qkv` group split between ranks are caught
-where they are made (expand_macros.py, expand_fused.py).
+A statement that expands to nothing, a `fused_qkv` group split between ranks and a name
+written over before anything read it are caught where they are made (expand_macros.py,
+expand_fused.py, propagate_shapes.py).
 """
 
 from __future__ import annotations
