@@ -40,6 +40,17 @@ def cli(*arguments: object, capsys) -> tuple[int, str]:
     return status, capsys.readouterr().err
 
 
+def refused(folder: Path, mapping: Path, text: str, capsys) -> str:
+    """``text`` saved as ``mapping`` and converted from ``folder`` into a folder beside it:
+    refused, nothing written. The error printed."""
+    mapping.write_text(text)
+    out = mapping.parent / "out"
+    status, err = cli("convert", mapping, "--source", folder, "--output", out, "--quiet",
+                      capsys=capsys)
+    assert status == 1 and not out.exists()
+    return err
+
+
 def written(folder: Path) -> dict[str, np.ndarray]:
     return {key: value for path in sorted(folder.glob("*.safetensors"))
             for key, value in read_back(path).items()}
@@ -55,11 +66,7 @@ model.norm.weight -> norm.weight
 
 def test_a_template_that_expands_to_nothing_is_refused(source, tmp_path, capsys):
     folder, _ = source
-    (tmp_path / "typo.aoa").write_text(TYPO)
-    out = tmp_path / "out"
-    status, err = cli("convert", tmp_path / "typo.aoa", "--source", folder, "--output", out,
-                      "--quiet", capsys=capsys)
-    assert status == 1 and not out.exists()
+    err = refused(folder, tmp_path / "typo.aoa", TYPO, capsys)
     assert err.splitlines() == [
         f"{tmp_path / 'typo.aoa'}:1:1: error: 'modle.layers.$LAYER_ID.w' matches no source "
         "key: the statement expands to nothing",
@@ -97,12 +104,8 @@ model.norm.weight -> norm.weight
 
 def test_a_name_written_over_before_anything_reads_it_is_refused(source, tmp_path, capsys):
     folder, arrays = source
-    (tmp_path / "copied.aoa").write_text(COPIED)
-    out = tmp_path / "out"
-    status, err = cli("convert", tmp_path / "copied.aoa", "--source", folder, "--output", out,
-                      "--quiet", capsys=capsys)
-    assert status == 1 and not out.exists()
     mapping = tmp_path / "copied.aoa"
+    err = refused(folder, mapping, COPIED, capsys)
     assert err.splitlines() == [
         f"{mapping}:2:21: error: 'layers.0.w' is written again, but nothing read what the "
         f"statement at {mapping}:1:1 wrote to it: that result would be lost",
@@ -110,6 +113,7 @@ def test_a_name_written_over_before_anything_reads_it_is_refused(source, tmp_pat
         "                        ^^^^^^^^^^",
         "  hint: Give each result a name of its own (a template's target needs its "
         "placeholder); to change a tensor, read it: `t -> t, dtype='float16'`."]
+    out = tmp_path / "out"
     status, err = cli("convert", mapping, "--source", folder, "--output", out, "--quiet",
                       "--lenient", capsys=capsys)
     assert status == 0 and "note: 'layers.0.w' is written again" in err
@@ -153,11 +157,7 @@ FORGOTTEN = "model.layers.$LAYER_ID.w -> layers.$LAYER_ID.w\n"
 
 def test_a_forgotten_key_is_refused(source, tmp_path, capsys):
     folder, arrays = source
-    (tmp_path / "forgot.aoa").write_text(FORGOTTEN)
-    out = tmp_path / "out"
-    status, err = cli("convert", tmp_path / "forgot.aoa", "--source", folder, "--output", out,
-                      "--quiet", capsys=capsys)
-    assert status == 1 and not out.exists()
+    err = refused(folder, tmp_path / "forgot.aoa", FORGOTTEN, capsys)
     assert err.splitlines()[0] == (
         "error: source key 'model.norm.weight' reaches the output under its own name, but no "
         "statement mentions it, while statements rename other keys")
