@@ -1,5 +1,5 @@
 """Where Paddle 3.3.1 raises on a program whose meaning is plain, aoa does what it says
-(policy 0.2); the programs Paddle computes are frozen from it in
+(policy 0.2), or says what to write instead; the programs Paddle computes are frozen from it in
 tests/golden/paddle_crosscheck (`keyword_names`, `cast_then_concat`).
 
 - Q21: a tensor spelled as an attribute keyword (`axis`, `dtype`, ...). Paddle's chain
@@ -9,6 +9,9 @@ tests/golden/paddle_crosscheck (`keyword_names`, `cast_then_concat`).
   with a float16 one, raises there ("All tensors must have the same dtype when
   concatenating"). aoa joins tensors whose bytes are one dtype, and names the dtypes as
   cast where they are not.
+- Q8: a template with $LAYER_ID and $EXPERT_ID takes every id of one with every id of the
+  other, so layers holding different experts ask for keys no layer has (Paddle: "ValueError:
+  l.1.e.1.w should be assigned before!"). aoa names the key and says why it was asked for.
 - A template name with `^T`: Paddle's `*` fails to parse what it makes of `e.*.w^T`
   ("SyntaxError: Expected TokenType.IDENTIFIER, got TokenType.RARROW"), and its
   $LAYER_ID_OFFSET looks for keys ending in `^T`, finds none and drops the statement. aoa
@@ -119,3 +122,17 @@ def test_templates_with_a_transposed_name_transpose_each_instance(tmp_path):
     want = {"s": np.concatenate([A.T, (A + 1).T]), "o.0.w": (A + 2).T, "o.1.w": (A + 3).T}
     for key, value in want.items():
         assert got[key].tobytes() == value.tobytes(), key
+
+
+def test_a_template_over_layers_of_different_experts_says_why_a_key_is_missing():
+    source = {key: [aoa.ShardDesc.full(key, (2, 4), "float32")]
+              for key in ("l.0.e.0.w", "l.0.e.1.w", "l.1.e.0.w")}
+    with pytest.raises(aoa.AoaError) as raised:
+        aoa.compile(["l.$LAYER_ID.e.$EXPERT_ID.w -> o.$LAYER_ID.e.$EXPERT_ID.w"], source)
+    lines = raised.value.render().splitlines()
+    assert lines[0] == ("<statement 0>:1:1: error: 'l.1.e.1.w' is neither a source key nor "
+                        "assigned before")
+    assert lines[-1] == (
+        "  hint: A template with both placeholders takes every $LAYER_ID found with every "
+        "$EXPERT_ID found (spec 5.3, quirk Q8): where layers hold different experts, write a "
+        "template for each group of them.")

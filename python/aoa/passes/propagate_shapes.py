@@ -90,6 +90,9 @@ def _described(tensor: Tensor, held: set[str | None]) -> str:
     return f"pieces in {' and '.join(sorted(map(str, held)))}"
 
 
+_IDS = ("$LAYER_ID", "$EXPERT_ID")
+
+
 def _lost(name: Name, earlier: Statement, statement: Statement) -> ValidationError:
     """The error for ``name``, written by ``statement`` over what ``earlier`` wrote."""
     where = earlier.span.location() if earlier.span is not None else "?"
@@ -118,10 +121,16 @@ class _Machine:
     def ref(self, name: Name, statement: Statement) -> Tensor:
         tensor = self.bound.get(name.text) or self.inputs.get(name.text)
         if tensor is None:
+            hint = ("Check the spelling against the source keys, or assign it in an earlier "
+                    "statement.")
+            origin = statement.origin
+            if origin is not None and origin.macro == "id" and all(
+                    placeholder in str(origin.statement) for placeholder in _IDS):
+                hint = ("A template with both placeholders takes every $LAYER_ID found with "
+                        "every $EXPERT_ID found (spec 5.3, quirk Q8): where layers hold "
+                        "different experts, write a template for each group of them.")
             raise _error(ShapeError, f"'{name.text}' is neither a source key nor assigned "
-                         "before", name.span, statement,
-                         hint="Check the spelling against the source keys, or assign it in "
-                              "an earlier statement.")
+                         "before", name.span, statement, hint=hint)
         return tensor
 
     def bind(self, name: Name, tensor: Tensor, statement: Statement) -> None:
