@@ -74,11 +74,7 @@ def identity(tensor: Tensor) -> Tensor:
 def _held_dtypes(tensor: Tensor) -> set[str | None]:
     """The dtypes the pieces of ``tensor`` are in: each one's last cast, else the dtype
     recorded (the source's: a concat records another only where every piece is cast)."""
-    held = set()
-    for piece in tensor.piece_map.pieces:
-        casts = [op for op in piece.ops if isinstance(op, str) and op in CAST_TARGETS]
-        held.add(casts[-1] if casts else tensor.dtype)
-    return held
+    return {symbolic.dtype_after(piece.ops, tensor.dtype) for piece in tensor.piece_map.pieces}
 
 
 def _described(tensor: Tensor, held: set[str | None]) -> str:
