@@ -263,15 +263,15 @@ def test_check_explain_compile_take_a_checkpoint_as_source(tmp_path, capsys, giv
                                                                         "float32")]
 
 
-_LEGACY_TORCH = "not a checkpoint aoa reads: it is not a zip archive, as torch.save has " \
-    "written since torch 1.6 (a legacy torch.save file, or not written by torch.save)"
+_NOT_TORCH = "not a checkpoint aoa reads: it is neither a zip archive, as torch.save has " \
+    "written since torch 1.6, nor in torch.save's legacy format (not written by torch.save)"
 _UNKNOWN_FILE = "not a checkpoint aoa reads: by its name and first bytes it is no " \
     "safetensors file, torch.save archive or checkpoint metadata"
 
 
 @pytest.mark.parametrize(("name", "content", "message"), [
-    ("pytorch_model.bin", b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80", _LEGACY_TORCH),
-    ("garbage.bin", bytes(100), _LEGACY_TORCH),
+    ("pytorch_model.bin", b"\x80\x02}q\x00X\x01\x00\x00\x00wq\x01K\x01s.", _NOT_TORCH),
+    ("garbage.bin", bytes(100), _NOT_TORCH),
     ("weights.dat", b"\x07" * 64, _UNKNOWN_FILE),
     ("m.aoa", b"w -> v\n", _UNKNOWN_FILE),
 ])

@@ -515,8 +515,8 @@ def detect(path: Path) -> Format:
         if found is not None and found.open_source is not None and found.claims(path):
             return found
     if path.is_file() and not _looks_like_safetensors(path):
-        why = ("it is not a zip archive, as torch.save has written since torch 1.6 (a legacy "
-               "torch.save file, or not written by torch.save)"
+        why = ("it is neither a zip archive, as torch.save has written since torch 1.6, nor "
+               "in torch.save's legacy format (not written by torch.save)"
                if path.suffix in (".bin", ".pt", ".pth") else
                "by its name and first bytes it is no safetensors file, torch.save archive or "
                "checkpoint metadata")
@@ -524,9 +524,9 @@ def detect(path: Path) -> Format:
     return format_named("safetensors")
 
 
-_READABLE = ("Give a safetensors file or folder, a pytorch_model.bin (a zip archive) or its "
-             "index, a Paddle {n}.metadata, a PyTorch DCP or Megatron torch_dist folder, or "
-             "shard-info JSON; --source-format names the format.")
+_READABLE = ("Give a safetensors file or folder, a pytorch_model.bin or its index, a Paddle "
+             "{n}.metadata, a PyTorch DCP or Megatron torch_dist folder, or shard-info JSON; "
+             "--source-format names the format.")
 
 
 def _looks_like_safetensors(path: Path) -> bool:

@@ -1,7 +1,8 @@
 """The ``bin`` format (read only): ``pytorch_model.bin``, or the files a
 ``pytorch_model.bin.index.json`` names, each a ``torch.save`` of a state dict.
 
-Read without torch (`aoa.storage.torch_save`): every tensor is whole (global offset zeros),
+Read without torch (`aoa.storage.torch_save`, and `aoa.storage.torch_legacy` for files in
+the format before PyTorch 1.6): every tensor is whole (global offset zeros),
 its bytes in place in the file's mapping; a tensor stored as a strided view of a larger
 storage (a transposed weight, tied weights) is honoured, and one that is not C-contiguous is
 gathered into C order when read. Nested dicts give dotted keys; values that are not tensors
@@ -18,6 +19,7 @@ from aoa.layout import ShardDesc
 from aoa.storage.formats import Format
 from aoa.storage.hf_index import index_files, read_index
 from aoa.storage.mapped import MappedFiles, MappedSource, Stored
+from aoa.storage.torch_legacy import is_legacy, read_legacy
 from aoa.storage.torch_save import SavedTensor, read_torch_save, stored
 
 SINGLE_NAME = "pytorch_model.bin"
@@ -38,13 +40,14 @@ class TorchBinSource(MappedSource):
 
 
 def claims(path: Path) -> bool:
-    """A ``.bin``/``.pt`` file that is a zip archive, or a folder with ``pytorch_model.bin``
-    or its index."""
+    """A ``.bin``/``.pt`` file that is a zip archive or in the legacy format, or a folder
+    with ``pytorch_model.bin`` or its index."""
     if path.is_file():
         if path.suffix not in _SUFFIXES:
             return False
         with open(path, "rb") as file:
-            return file.read(4) == b"PK\x03\x04"
+            head = file.read(32)
+        return head[:4] == b"PK\x03\x04" or is_legacy(head)
     return path.is_dir() and ((path / SINGLE_NAME).is_file() or (path / INDEX_NAME).is_file())
 
 
@@ -67,7 +70,8 @@ def open_bin(path: Path) -> TorchBinSource:
         found_in: dict[str, Path] = {}
         for name in names:
             mapped = files.open(name)
-            state = read_torch_save(mapped.data, name)
+            state = (read_legacy(mapped.data, name) if is_legacy(bytes(mapped.data[:32]))
+                     else read_torch_save(mapped.data, name))
             if not isinstance(state, dict):
                 raise StorageError(f"{name}: holds a {type(state).__name__}, not a state dict")
             for key, tensor in _flat(state):

@@ -133,10 +133,7 @@ def read_torch_save(data: memoryview, where: str | Path, start: int = 0,
     pickle = records[name]
     loaded = unpickler.load(data, where, ALLOWED, start=pickle.offset,
                             end=pickle.offset + pickle.nbytes, persistent_load=persistent_load)
-    try:
-        return _tensors(loaded, where)
-    except RecursionError:
-        raise StorageError(f"{where}: the saved object is nested too deeply") from None
+    return saved_tensors(loaded, where)
 
 
 def check_torch_save(data: memoryview, where: str | Path, start: int = 0,
@@ -151,9 +148,7 @@ def _pickle_name(records: dict[str, StoredRecord], where: str | Path) -> str:
                and name.count("/") == 1]
     if len(pickles) != 1:
         raise StorageError(f"{where}: not a torch.save file: {len(pickles)} 'data.pkl' records "
-                           "where there should be one", hint="Files saved by PyTorch before "
-                           "1.6 (not zip archives) are not read; save them again with a newer "
-                           "PyTorch.")
+                           "where there should be one")
     return pickles[0]
 
 
@@ -164,15 +159,7 @@ def _storage(pid: Any, records: dict[str, StoredRecord], prefix: str,
             and isinstance(pid[4], int)):
         raise StorageError(f"{where}: persistent id {pid!r} is not a torch storage")
     _, cls, key, location, numel = pid
-    if cls.qualname == _UNTYPED:
-        dtype = "uint8"
-    elif cls.module == "torch" and cls.name in _STORAGE_DTYPES:
-        dtype = _STORAGE_DTYPES[cls.name]
-    else:
-        raise StorageError(f"{where}: storage '{key}' is a {cls.qualname}, which aoa does not "
-                           "read")
-    if not str(location).startswith(("cpu", "cuda", "meta", "npu", "xpu", "mps")):
-        raise StorageError(f"{where}: storage '{key}' is on device '{location}'")
+    dtype = storage_dtype(cls, key, location, where)
     record = records.get(f"{prefix}data/{key}")
     if record is None:
         raise StorageError(f"{where}: storage '{key}' has no record '{prefix}data/{key}'")
@@ -183,6 +170,31 @@ def _storage(pid: Any, records: dict[str, StoredRecord], prefix: str,
     if found is None:
         found = storages[key] = SavedStorage(key, dtype, record.offset, record.nbytes)
     return found
+
+
+def storage_dtype(cls: unpickler.RecordClass, key: str, location: Any, where: str | Path
+                  ) -> str:
+    """The element dtype of a storage of class ``cls`` (a persistent id's), checked with its
+    device ``location``."""
+    if cls.qualname == _UNTYPED:
+        dtype = "uint8"
+    elif cls.module == "torch" and cls.name in _STORAGE_DTYPES:
+        dtype = _STORAGE_DTYPES[cls.name]
+    else:
+        raise StorageError(f"{where}: storage '{key}' is a {cls.qualname}, which aoa does not "
+                           "read")
+    if not str(location).startswith(("cpu", "cuda", "meta", "npu", "xpu", "mps")):
+        raise StorageError(f"{where}: storage '{key}' is on device '{location}'")
+    return dtype
+
+
+def saved_tensors(value: Any, where: str | Path) -> Any:
+    """``value``, an unpickled object whose storages are `SavedStorage` records, with every
+    tensor record replaced by its `SavedTensor`, checked."""
+    try:
+        return _tensors(value, where)
+    except RecursionError:
+        raise StorageError(f"{where}: the saved object is nested too deeply") from None
 
 
 def _tensors(value: Any, where: str | Path) -> Any:

@@ -146,9 +146,25 @@ def load(
 
     Offsets of payloads are positions in ``data``. Raises StorageError for anything that is
     not a well-formed pickle of allowed classes (naming the byte where it went wrong)."""
+    return load_one(data, where, allowed, start=start, end=end,
+                    persistent_load=persistent_load)[0]
+
+
+def load_one(
+    data: bytes | bytearray | memoryview,
+    where: str | Path,
+    allowed: Allowed,
+    *,
+    start: int = 0,
+    end: int | None = None,
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> tuple[Any, int]:
+    """`load`, and the byte after the pickle's STOP: where the next pickle of a file that
+    holds several one after another begins (torch.save's legacy format)."""
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-    return _Machine(view, str(where), {**PLAIN, **allowed}, start,
-                    len(view) if end is None else end, persistent_load).run()
+    machine = _Machine(view, str(where), {**PLAIN, **allowed}, start,
+                       len(view) if end is None else end, persistent_load)
+    return machine.run(), machine.pos
 
 
 def load_metadata(data: bytes | bytearray | memoryview, where: str | Path,
@@ -659,14 +675,14 @@ def fields(value: Any, qualnames: str | tuple[str, ...], where: str | Path,
     """The state dict of a record of one of ``qualnames`` (a dataclass as pickled)."""
     names = (qualnames,) if isinstance(qualnames, str) else qualnames
     if not isinstance(value, Record) or value.cls.qualname not in names:
-        raise StorageError(f"{where}: {what} is {_shown(value)}, not a {names[0]}")
+        raise StorageError(f"{where}: {what} is {shown(value)}, not a {names[0]}")
     state = value.state
     if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
         state = state[1]  # a dataclass with __slots__ pickles (None, slot state)
     if state is None:
         return {}
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-        raise StorageError(f"{where}: {what} ({value.cls.name}) has state {_shown(state)}, "
+        raise StorageError(f"{where}: {what} ({value.cls.name}) has state {shown(state)}, "
                            "not an object of named fields")
     return state
 
@@ -678,7 +694,7 @@ def int_tuple(value: Any, where: str | Path, what: str, *, size: int | None = No
         value = value.args[0]
     if not isinstance(value, (tuple, list)) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value):
-        raise StorageError(f"{where}: {what} is {_shown(value)}, not non-negative integers")
+        raise StorageError(f"{where}: {what} is {shown(value)}, not non-negative integers")
     if size is not None and len(value) != size:
         raise StorageError(f"{where}: {what} has {len(value)} axes, not {size}")
     return tuple(value)
@@ -686,11 +702,12 @@ def int_tuple(value: Any, where: str | Path, what: str, *, size: int | None = No
 
 def string(value: Any, where: str | Path, what: str) -> str:
     if not isinstance(value, str):
-        raise StorageError(f"{where}: {what} is {_shown(value)}, not a string")
+        raise StorageError(f"{where}: {what} is {shown(value)}, not a string")
     return value
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A value of a pickle as a message names it: short, and a record by its class."""
     if isinstance(value, Record):
         return f"a {value.cls.qualname}"
     if isinstance(value, Payload):
