@@ -41,6 +41,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ from pathlib import Path
 from aoa.errors import UsageError, quote
 from aoa.inputs import read_text
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, split_optimizer_suffix
-from aoa.limits import MAX_RANKS
+from aoa.limits import MAX_NUMBER_DIGITS, MAX_RANKS
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,10 @@ class Placement:
             digits = rest[:len(rest) - len(rest.lstrip("0123456789"))]
         if not digits:
             raise UsageError(f"'{key}' has no number after '{self.number_after}' to place it by")
-        number = int(digits)
-        if number >= self.of:
+        significant = digits.lstrip("0") or "0"
+        if len(significant) > MAX_NUMBER_DIGITS or int(significant) >= self.of:
             return size - 1
+        number = int(significant)
         # Paddle's SegmentLayers.uniform: the boundary after part i moves one further for the
         # parts after (size - extra).
         part, extra = divmod(self.of, size)
@@ -228,6 +230,9 @@ def read_mesh_layout(path: str | Path) -> MeshLayout:
         data = tomllib.loads(read_text(path, "layout"))
     except tomllib.TOMLDecodeError as error:
         raise UsageError(f"{path}: not valid TOML: {error}") from None
+    except ValueError:  # Python's int() refused the number's digits
+        raise UsageError(f"{path}: not valid TOML: a number has more than "
+                         f"{sys.get_int_max_str_digits()} digits") from None
     return parse_mesh_layout(data, str(path))
 
 
@@ -236,14 +241,23 @@ def parse_mesh_layout(data: Mapping, source: str = "<layout>") -> MeshLayout:
     if not isinstance(mesh, Mapping) or not mesh:
         raise UsageError(f"{source}: needs a [mesh] table, e.g. `[mesh]` then `tp = 2`")
     for name, size in mesh.items():
-        if not isinstance(size, int) or size < 1:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise UsageError(f"{source}: mesh dimension {name} = {quote(size)} must be a "
                              "positive integer")
+        if size > MAX_RANKS:
+            raise UsageError(f"{source}: mesh dimension {name} = {quote(size)} is more than "
+                             f"{MAX_RANKS} ranks")
     ranks = math.prod(mesh.values())
     if ranks > MAX_RANKS:
-        raise UsageError(f"{source}: the mesh has {ranks} ranks, more than {MAX_RANKS}")
+        many = ranks if ranks < 2**63 else "over 2**63"  # (a thousand dimensions: 4,817 digits)
+        raise UsageError(f"{source}: the mesh has {many} ranks, more than {MAX_RANKS}")
+    given = data.get("rule", [])
+    if not isinstance(given, list):
+        raise UsageError(f"{source}: each rule begins with [[rule]], two brackets: 'rule' is "
+                         f"{quote(given) if not isinstance(given, Mapping) else 'one table'}, "
+                         "not a list of rules")
     rules = []
-    for i, rule in enumerate(data.get("rule", [])):
+    for i, rule in enumerate(given):
         if not isinstance(rule, Mapping) or not isinstance(rule.get("match"), str):
             raise UsageError(f"{source}: rule {i + 1} needs match = \"key pattern\"")
         axes: dict[str, int] = {}
