@@ -215,8 +215,8 @@ def test_keys_that_are_not_the_objects_storages_are_refused(saved):
      f"({MAGIC_NUMBER},), not torch's magic number"),
     (1, 1002, "torch.save legacy format version 1002; aoa reads version 1001"),
     (2, {"little_endian": False},
-     "written by a machine that is not little-endian (its facts: {'little_endian': False}); "
-     "aoa reads little-endian files"),
+     "the writer's facts {'little_endian': False} do not say little_endian = True; aoa reads "
+     "little-endian files"),
 ])
 def test_the_preamble_is_checked(saved, which, value, message):
     path, data, _ = saved

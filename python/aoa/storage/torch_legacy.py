@@ -67,8 +67,8 @@ def read_legacy(data: memoryview, where: str | Path) -> Any:
                            f"reads version {VERSION}")
     facts, position = unpickler.load_one(data, where, {}, start=position)
     if not isinstance(facts, dict) or facts.get("little_endian") is not True:
-        raise StorageError(f"{where}: written by a machine that is not little-endian (its "
-                           f"facts: {shown(facts)}); aoa reads little-endian files")
+        raise StorageError(f"{where}: the writer's facts {shown(facts)} do not say "
+                           "little_endian = True; aoa reads little-endian files")
     named: dict[str, _Named] = {}
     object_start = position
     _, position = unpickler.load_one(
