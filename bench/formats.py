@@ -1,13 +1,16 @@
 """Source formats side by side: the ~1.5 GB float32 Llama-like checkpoint of bench/convert.py,
-saved as safetensors, as PyTorch DCP (by ``torch.distributed.checkpoint.save``) and as a
-Paddle FlexCheckpoint (by ``paddle.distributed.save_state_dict``), then in one run:
+saved as safetensors, as PyTorch DCP (by ``torch.distributed.checkpoint.save``), as a
+Paddle FlexCheckpoint (by ``paddle.distributed.save_state_dict``) and as a
+``pytorch_model.bin`` by ``torch.save``, zipped and in its legacy format (before PyTorch 1.6),
+then in one run:
 
   convert   `aoa convert` with the demo's statements (fused QKV, fused gate/up, transposes,
-            tensor-parallel 2) from each source: DCP and Paddle against safetensors;
+            tensor-parallel 2) from each source, against safetensors;
   load      every tensor read into memory: aoa.load into numpy arrays against
-            torch.distributed.checkpoint.load into preallocated torch tensors (DCP) and
-            Paddle's load_state_dict into preallocated Paddle tensors (Paddle, timed inside
-            its own process by bench/paddle_checkpoints.py time-load).
+            torch.distributed.checkpoint.load into preallocated torch tensors (DCP),
+            ``torch.load`` (the .bin files: new tensors, as it makes them) and Paddle's
+            load_state_dict into preallocated Paddle tensors (Paddle, timed inside its own
+            process by bench/paddle_checkpoints.py time-load).
 
 All files are in the page cache (each reader gets one untimed read first), so the figures
 compare the readers, not the disk. Medians of ``--repeats`` runs.
@@ -52,6 +55,15 @@ def save_dcp(source: Path, folder: Path) -> None:
         dcp.save(load_file(str(source)), checkpoint_id=str(folder), no_dist=True)
 
 
+def save_bin(source: Path, folder: Path, legacy: bool) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(load_file(str(source)), folder / "pytorch_model.bin",
+               _use_new_zipfile_serialization=not legacy)
+
+
 def shapes_of(source: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     with open_source(source) as checkpoint:
         return {key: (shards[0].global_shape, shards[0].dtype or "float32")
@@ -88,6 +100,16 @@ def torch_load(source: Path, shapes: dict) -> float:
     return time.perf_counter() - start
 
 
+def torch_bin_load(folder: Path) -> float:
+    """``torch.load`` of the folder's pytorch_model.bin (without ``mmap``, which the legacy
+    format does not take: every tensor read into memory, as aoa.load reads them)."""
+    import torch
+
+    start = time.perf_counter()
+    torch.load(folder / "pytorch_model.bin", weights_only=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -98,13 +120,17 @@ def main() -> None:
                         default=Path("/work/paddle-venv/bin/python"))
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="aoa-formats-"))
-    sources = {"safetensors": work / "hf", "dcp": work / "dcp", "paddle": work / "paddle"}
+    sources = {"safetensors": work / "hf", "dcp": work / "dcp", "paddle": work / "paddle",
+               "bin": work / "bin", "bin-legacy": work / "bin-legacy"}
     if not (sources["safetensors"] / "model.safetensors").exists():
         sources["safetensors"].mkdir(parents=True, exist_ok=True)
         convert_bench.make_source(sources["safetensors"], args.layers)
     safetensors_file = sources["safetensors"] / "model.safetensors"
     if not (sources["dcp"] / ".metadata").exists():
         save_dcp(safetensors_file, sources["dcp"])
+    for name, legacy in (("bin", False), ("bin-legacy", True)):
+        if not (sources[name] / "pytorch_model.bin").exists():
+            save_bin(safetensors_file, sources[name], legacy)
     paddle = args.paddle_python.exists()
     if paddle and not (sources["paddle"] / "0.metadata").exists():
         subprocess.run([str(args.paddle_python), str(HERE / "paddle_checkpoints.py"),
@@ -128,11 +154,13 @@ def main() -> None:
         for name, folder in sources.items():
             run[f"convert from {name}"], nbytes = convert_once(folder, work / "out", layout,
                                                                args.threads)
-        for name in ("dcp", "paddle"):
+        for name in ("dcp", "paddle", "bin", "bin-legacy"):
             if name in sources:
                 run[f"aoa.load {name}"] = aoa_load(sources[name], identity, shapes,
                                                    args.threads)
         run["dcp.load"] = torch_load(sources["dcp"], shapes)
+        for name in ("bin", "bin-legacy"):
+            run[f"torch.load {name}"] = torch_bin_load(sources[name])
         if repeat == 0:
             continue
         for key, seconds in run.items():
@@ -154,12 +182,15 @@ def main() -> None:
         moved = nbytes if key.startswith("convert") else nbytes_source
         print(f"{key:26s}{seconds:9.3f}{moved / seconds / 1e9:8.2f}")
     base = median["convert from safetensors"]
-    for name in ("dcp", "paddle"):
+    for name in ("dcp", "paddle", "bin", "bin-legacy"):
         if name in sources:
             print(f"convert from {name} / from safetensors: "
                   f"{median[f'convert from {name}'] / base:.2f}")
     print(f"dcp.load / aoa.load of the DCP checkpoint: "
           f"{median['dcp.load'] / median['aoa.load dcp']:.2f}x")
+    for name in ("bin", "bin-legacy"):
+        print(f"torch.load / aoa.load of the {name} checkpoint: "
+              f"{median[f'torch.load {name}'] / median[f'aoa.load {name}']:.2f}x")
     if paddle:
         print(f"Paddle load_state_dict / aoa.load of the Paddle checkpoint: "
               f"{median['paddle load_state_dict'] / median['aoa.load paddle']:.2f}x")

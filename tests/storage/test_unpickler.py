@@ -205,3 +205,19 @@ def test_metadata_cut_short_is_the_machines_error(cut):
     data = pickle.dumps({"n": [1, 2, 3], "s": "x" * 100}, protocol=4)
     with pytest.raises(StorageError, match=r"^error: x\.metadata: truncated"):
         unpickler.load_metadata(data[:cut], "x.metadata", {})
+
+
+@pytest.mark.parametrize("length", [0, 254, 255, 256, 4351, 4352, 4353, (1 << 20) - 1])
+def test_a_text_line_of_any_length_up_to_a_mebibyte_is_read(length):
+    """The end of line is looked for in windows that grow from 256 bytes; a pickle's bytes
+    may go on past it (a legacy torch.save file's tensors)."""
+    text = "x" * length
+    data = b"V" + text.encode() + b"\n." + bytes(1 << 21)
+    assert unpickler.load(data, "f", {}) == text
+
+
+def test_a_text_line_longer_than_a_mebibyte_is_refused():
+    data = b"V" + b"x" * (1 << 20) + b"\n."
+    with pytest.raises(StorageError) as caught:
+        unpickler.load(data, "f", {})
+    assert caught.value.message == "f: bad pickle at byte 1: a text argument has no end of line"

@@ -244,11 +244,19 @@ class _Machine:
         return int(struct.unpack(_UNSIGNED[size], self.take(size))[0])
 
     def line_bytes(self) -> bytes:
-        """A newline-ended argument of the text opcodes (protocol 0)."""
-        found = bytes(self.data[self.pos:min(self.end, self.pos + (1 << 20))]).find(b"\n")
-        if found < 0:
-            raise self.fail("a text argument has no end of line")
-        return bytes(self.take(found + 1)[:-1])
+        """A newline-ended argument of the text opcodes (protocol 0, and GLOBAL in every
+        protocol), of at most 1 MiB. The end of line is looked for in windows growing from
+        256 bytes: a pickle's end may be a whole file's (torch.save's legacy format), whose
+        next megabyte is tensor bytes not to be copied for a name of 20."""
+        limit = min(self.end, self.pos + (1 << 20))
+        start, window = self.pos, 256
+        while start < limit:
+            stop = min(limit, start + window)
+            found = bytes(self.data[start:stop]).find(b"\n")
+            if found >= 0:
+                return bytes(self.take(start + found + 1 - self.pos)[:-1])
+            start, window = stop, window * 16
+        raise self.fail("a text argument has no end of line")
 
     def line(self) -> str:
         return self.line_bytes().decode("latin-1")
