@@ -7,6 +7,7 @@ macro, a fused_qkv group split between ranks. Each is run as a user would, then 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,9 @@ from test_models import QWEN3, hf_folder
 
 import aoa
 from aoa.cli import main
+from aoa.dtypes import NUMPY_DTYPES
 from aoa.record import RECORD
+from aoa.storage.formats import open_source
 
 LAYERS = 2
 
@@ -356,3 +359,65 @@ def test_a_fused_in_proj_tensor_over_another_shard_count_is_refused(tmp_path):
         "at the new degree; --lenient (strict=False) copies it as it lies.")
     analyze("", source, source, strict=True, fused=fused)  # at its own shard count
     analyze("", source, four, strict=False, fused=fused)
+
+
+# -- a destination shard that gives no dtype -------------------------------------------------
+
+def untyped_destination(tmp_path: Path, shape: tuple[int, ...]) -> Path:
+    """A destination list of one key, 'w', in two row shards whose dtype is null."""
+    rows = shape[0] // 2
+    path = tmp_path / "destination.json"
+    path.write_text(json.dumps({"w": [
+        {"key": "w", "local_shape": [rows, *shape[1:]], "global_shape": list(shape),
+         "global_offset": [start, *[0] * (len(shape) - 1)], "dtype": None}
+        for start in (0, rows)]}))
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_a_destination_of_no_dtype_filled_from_another_is_refused(tmp_path, capsys, dtype):
+    """No dtype reads as float32 (Paddle's reading of None): filled from a bfloat16 or
+    float64 tensor, that is a cast nobody wrote."""
+    folder = save_folder(tmp_path / "hf", {"w": np.ones((4, 2), NUMPY_DTYPES[dtype])})
+    (tmp_path / "map.aoa").write_text("w -> w\n")
+    out = tmp_path / "out"
+    status, err = cli("convert", tmp_path / "map.aoa", "--source", folder, "--destination",
+                      untyped_destination(tmp_path, (4, 2)), "--output", out, "--quiet",
+                      capsys=capsys)
+    assert (status, out.exists()) == (1, False)
+    assert err.splitlines()[0] == (
+        f"{tmp_path / 'map.aoa'}:1:1: error: destination 'w' [0:2, 0:2] gives no dtype, so it "
+        f"is written as float32, but 'w' is {dtype}")
+    assert err.splitlines()[-1] == (
+        f"  hint: Give the destination its dtype ('{dtype}' keeps it), or cast: `... -> w, "
+        "dtype='float32'`; --lenient (strict=False) writes float32, as Paddle reads a missing "
+        "dtype.")
+
+
+def test_lenient_writes_a_destination_of_no_dtype_as_float32(tmp_path, capsys):
+    values = np.arange(8, dtype=np.float32).reshape(4, 2) / 3
+    source = values.astype(NUMPY_DTYPES["bfloat16"])
+    folder = save_folder(tmp_path / "hf", {"w": source})
+    (tmp_path / "map.aoa").write_text("w -> w\n")
+    out = tmp_path / "out"
+    status, err = cli("convert", tmp_path / "map.aoa", "--source", folder, "--destination",
+                      untyped_destination(tmp_path, (4, 2)), "--output", out, "--quiet",
+                      "--lenient", capsys=capsys)
+    assert status == 0
+    assert "note: destination 'w' [0:2, 0:2] gives no dtype" in err
+    with open_source(out) as written:
+        (first, second) = written.shards["w"]
+        assert (first.dtype, second.dtype) == ("float32", "float32")
+        got = np.concatenate([np.frombuffer(written.buffer(s), np.float32).reshape(2, 2)
+                              for s in (first, second)])
+    assert got.tobytes() == source.astype(np.float32).tobytes()
+
+
+def test_a_destination_of_no_dtype_filled_from_float32_passes(tmp_path, capsys):
+    values = np.arange(8, dtype=np.float32).reshape(4, 2)
+    folder = save_folder(tmp_path / "hf", {"w": values})
+    (tmp_path / "map.aoa").write_text("w -> w\n")
+    status, _ = cli("convert", tmp_path / "map.aoa", "--source", folder, "--destination",
+                    untyped_destination(tmp_path, (4, 2)), "--output", tmp_path / "out",
+                    "--quiet", capsys=capsys)
+    assert status == 0

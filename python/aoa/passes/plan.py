@@ -200,6 +200,8 @@ class Planner:
         self._casts_memo: dict[tuple, tuple[str, ...]] = {}
         self._key_memo: dict[tuple, _KeyPlan] = {}
         self._answers_memo: dict[tuple, list[list[Entry]]] = {}
+        #: whether a destination of no dtype, filled from another, was already reported
+        self._untyped_told = False
 
     # -- answers -------------------------------------------------------------------------
     def tensor_for(self, key: str) -> Tensor | None:
@@ -285,7 +287,24 @@ class Planner:
                     f"'{source_key}' {how} {produced}", self._writer_span(target),
                     hint=f"Cast to the destination's dtype: `... -> {target.key}, "
                          f"dtype='{target.dtype}'` (or declare the destination {produced}).")
+            if target.dtype is None and produced not in (None, "float32"):
+                self._untyped(target, source_key, ops, produced)
         self._check_coverage(target, tensor, boxes)
+
+    def _untyped(self, target: ShardDesc, source_key: str, ops, produced: str) -> None:
+        """A destination shard of no dtype is written as float32, as Paddle reads None; filled
+        from a tensor of another dtype, that is a cast nobody wrote (a float64 or bfloat16
+        source, or a list whose dtypes were left out): a mistake, told once."""
+        if self._untyped_told:
+            return
+        self._untyped_told = True
+        how = "is cast to" if any(isinstance(op, str) for op in ops) else "is"
+        self.ctx.mistake(ValidationError(
+            f"destination {_describe(target)} gives no dtype, so it is written as float32, "
+            f"but '{source_key}' {how} {produced}", self._writer_span(target),
+            hint=f"Give the destination its dtype ('{produced}' keeps it), or cast: `... -> "
+                 f"{target.key}, dtype='float32'`; --lenient (strict=False) writes float32, "
+                 "as Paddle reads a missing dtype."))
 
     def _writer_span(self, target: ShardDesc):
         writer = self.state.writers.get(split_optimizer_suffix(target.key)[0])
