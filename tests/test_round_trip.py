@@ -55,3 +55,23 @@ def test_reverse_undoes_forward(name, tp):
     assert set(exported) == set(tensors)
     for key, value in tensors.items():
         assert exported[key].tobytes() == value.tobytes(), key
+
+
+def test_a_concat_of_unequal_parts_run_backwards_says_why_it_has_no_inverse():
+    """Run backwards, `a, b -> c, axis=0` splits c into equal parts, as Paddle's reverse mode
+    does: with a of 4 rows and b of 2, a would get 3 rows (Paddle answers so)."""
+    source = {"c": [aoa.ShardDesc("c", (6, 4), (6, 4), (0, 0), "float32")]}
+    destination = {key: [aoa.ShardDesc(key, (rows, 4), (rows, 4), (0, 0), "float32")]
+                   for key, rows in (("a", 4), ("b", 2))}
+    with pytest.raises(aoa.AoaError) as caught:
+        aoa.compile(["a, b -> c, axis=0"], source, destination, reverse=True)
+    assert caught.value.message == ("destination 'a' is declared with global shape [4, 4], but "
+                                    "the program produces [3, 4]")
+    assert caught.value.hint == (
+        "Run backwards, this concat splits 'c' into 2 equal parts, as Paddle does, so parts "
+        "of unequal sizes get no inverse from it. Write the backward mapping by hand: split "
+        "into equal parts of a size that divides every part, then join them.")
+    wrong = {"c": [aoa.ShardDesc("c", (5, 4), (5, 4), (0, 0), "float32")]}
+    with pytest.raises(aoa.AoaError) as caught:  # forwards, the hint is the usual one
+        aoa.compile(["a, b -> c, axis=0"], destination, wrong)
+    assert caught.value.hint.startswith("Declare the destination with the shape")

@@ -265,8 +265,7 @@ class Planner:
             raise ValidationError(
                 f"destination '{target.key}' is declared with global shape "
                 f"{list(target.global_shape)}, but the program produces {list(tensor.shape)}",
-                self._writer_span(target), hint="Declare the destination with the shape the "
-                "statements make, or change the statements (a missing ^T or permute?).")
+                self._writer_span(target), hint=self._shape_hint(target))
         for source_key, ops in reads:
             shards = self.ctx.source.get(source_key)
             if not shards:
@@ -305,6 +304,18 @@ class Planner:
             hint=f"Give the destination its dtype ('{produced}' keeps it), or cast: `... -> "
                  f"{target.key}, dtype='float32'`; --lenient (strict=False) writes float32, "
                  "as Paddle reads a missing dtype."))
+
+    def _shape_hint(self, target: ShardDesc) -> str:
+        writer = self.state.writers.get(split_optimizer_suffix(target.key)[0])
+        # statements keep their written sides: run backwards, a concat's inputs are written
+        if self.ctx.reverse and writer is not None and len(writer.left) > 1 \
+                and len(writer.right) == 1 and writer.attribute("axis") is not None:
+            return (f"Run backwards, this concat splits '{writer.right[0].text}' into "
+                    f"{len(writer.left)} equal parts, as Paddle does, so parts of unequal "
+                    "sizes get no inverse from it. Write the backward mapping by hand: split "
+                    "into equal parts of a size that divides every part, then join them.")
+        return ("Declare the destination with the shape the statements make, or change the "
+                "statements (a missing ^T or permute?).")
 
     def _writer_span(self, target: ShardDesc):
         writer = self.state.writers.get(split_optimizer_suffix(target.key)[0])
