@@ -253,3 +253,23 @@ def test_fuzz_a_legacy_file_changed_anywhere_reads_or_raises_an_aoa_error(tmp_pa
                     np.frombuffer(source.buffer(shard), np.uint8).sum()
     except AoaError:
         pass
+
+
+def test_a_legacy_llama_goes_to_paddleformers_and_back(tmp_path, capsys):
+    """A Hugging Face folder of a legacy pytorch_model.bin (config.json beside it), to
+    PaddleFormers at TP 2 and back: the same bytes."""
+    from test_models import LLAMA, hf_folder
+
+    folder = tmp_path / "hf"
+    tensors = hf_folder(folder, LLAMA)
+    (folder / "model.safetensors").unlink()
+    legacy_save({key: torch.from_numpy(value) for key, value in tensors.items()},
+                folder / "pytorch_model.bin")
+    for source, output, target in ((folder, "pf", ["--to", "paddleformers", "--tp", "2"]),
+                                   (tmp_path / "pf", "back", ["--to", "hf"])):
+        assert main(["convert", "--source", str(source), "--output", str(tmp_path / output),
+                     *target, "--quiet"]) == 0, capsys.readouterr().err
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(tensors)
+    for key, value in tensors.items():
+        assert back[key].tobytes() == value.tobytes(), key
