@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from aoa import symbolic
 from aoa.dtypes import CAST_TARGETS, is_exact_widening
 from aoa.errors import ValidationError
+from aoa.ir import Statement
 from aoa.layout import BETA_POW_SUFFIXES, ShardDesc, distinct_boxes, split_optimizer_suffix
 from aoa.passes.context import CompileContext
 from aoa.plan import CopyTable, KeyedCopy, Plan
@@ -92,6 +93,11 @@ def _side_by_side(boxes: Sequence[tuple[Box, Box, str]]) -> bool:
 
 def _describe(shard: ShardDesc) -> str:
     return f"'{shard.key}' [{shard_region(shard)}]"
+
+
+def _how(ops) -> str:
+    """How a source key comes to its dtype, for a message: cast, or as it is."""
+    return "is cast to" if any(isinstance(op, str) for op in ops) else "is"
 
 
 class _SourceIndex:
@@ -280,10 +286,9 @@ class Planner:
                     "source does not have", self._writer_span(target), hint=hint)
             produced = dtype_after(ops, shards[0].dtype)
             if target.dtype is not None and produced is not None and produced != target.dtype:
-                how = "is cast to" if any(isinstance(op, str) for op in ops) else "is"
                 raise ValidationError(
                     f"destination {_describe(target)} is {target.dtype}, but "
-                    f"'{source_key}' {how} {produced}", self._writer_span(target),
+                    f"'{source_key}' {_how(ops)} {produced}", self._writer_span(target),
                     hint=f"Cast to the destination's dtype: `... -> {target.key}, "
                          f"dtype='{target.dtype}'` (or declare the destination {produced}).")
             if target.dtype is None and produced not in (None, "float32"):
@@ -297,16 +302,15 @@ class Planner:
         if self._untyped_told:
             return
         self._untyped_told = True
-        how = "is cast to" if any(isinstance(op, str) for op in ops) else "is"
         self.ctx.mistake(ValidationError(
             f"destination {_describe(target)} gives no dtype, so it is written as float32, "
-            f"but '{source_key}' {how} {produced}", self._writer_span(target),
+            f"but '{source_key}' {_how(ops)} {produced}", self._writer_span(target),
             hint=f"Give the destination its dtype ('{produced}' keeps it), or cast: `... -> "
                  f"{target.key}, dtype='float32'`; --lenient (strict=False) writes float32, "
                  "as Paddle reads a missing dtype."))
 
     def _shape_hint(self, target: ShardDesc) -> str:
-        writer = self.state.writers.get(split_optimizer_suffix(target.key)[0])
+        writer = self._writer(target)
         # statements keep their written sides: run backwards, a concat's inputs are written
         if self.ctx.reverse and writer is not None and len(writer.left) > 1 \
                 and len(writer.right) == 1 and writer.attribute("axis") is not None:
@@ -317,8 +321,12 @@ class Planner:
         return ("Declare the destination with the shape the statements make, or change the "
                 "statements (a missing ^T or permute?).")
 
+    def _writer(self, target: ShardDesc) -> Statement | None:
+        """The statement that wrote ``target``'s key (its parameter's, for a state)."""
+        return self.state.writers.get(split_optimizer_suffix(target.key)[0])
+
     def _writer_span(self, target: ShardDesc):
-        writer = self.state.writers.get(split_optimizer_suffix(target.key)[0])
+        writer = self._writer(target)
         return writer.span if writer is not None else None
 
     def _check_coverage(self, target: ShardDesc, tensor: Tensor, boxes) -> None:
