@@ -31,6 +31,8 @@ section "goal 2: compile + plan + lower at 61x256"
 "$python" bench/compile_scale.py --sizes 61x256 --repeats 3
 section "goal 3: the command against dd oflag=direct, 1.55 GB"
 "$python" bench/convert.py --command-only --repeats 3 --work "$work/conv8"
+section "goal 3: the same, 3.2 GB"
+"$python" bench/convert.py --command-only --layers 17 --repeats 1 --work "$work/conv17"
 section "goal 3: the same, 6.16 GB"
 "$python" bench/convert.py --command-only --layers 34 --repeats 1 --work "$work/conv34"
 section "goal 4: 31k small tensors, the command against compile"
