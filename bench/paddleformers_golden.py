@@ -94,6 +94,10 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any], Mesh, str]] = {
                  "float32"),
     "phi3_tp4": ("phi3", "Phi3ForCausalLM", "Phi3Config", dict(pad_token_id=0), Mesh(tp=4),
                  "float32"),
+    "ernie4_5_tied_tp2": ("ernie4_5", "Ernie4_5ForCausalLM", "Ernie4_5Config", {}, Mesh(tp=2),
+                          "float32"),
+    "ernie4_5_bf16_tp4": ("ernie4_5", "Ernie4_5ForCausalLM", "Ernie4_5Config",
+                          dict(tie_word_embeddings=False), Mesh(tp=4), "bfloat16"),
 }
 
 

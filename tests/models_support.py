@@ -68,6 +68,9 @@ MODELS: dict[str, tuple[str, str, dict, int]] = {
     "gemma3_text_untied_biases": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                                   dict(tie_word_embeddings=False, attention_bias=True), 0),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0), 0),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}, 0),
+    "ernie4_5_untied": ("Ernie4_5Config", "Ernie4_5ForCausalLM",
+                        dict(tie_word_embeddings=False), 0),
 }
 
 IDS = [[3, 17, 42, 99, 5, 64, 8, 21, 100, 7, 1, 2]]

@@ -56,7 +56,7 @@ def run(*arguments: str, capsys) -> tuple[int, str, str]:
 
 def test_every_family_maps_its_config():
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
-            "deepseek_v3", "glm4_moe", "gpt_oss", "gemma3_text", "phi3"} <= set(
+            "deepseek_v3", "glm4_moe", "gpt_oss", "gemma3_text", "phi3", "ernie4_5"} <= set(
         known_model_types())
 
 
@@ -120,7 +120,7 @@ def test_expert_and_pipeline_placement():
 def test_unknown_family_lists_the_known_ones():
     with pytest.raises(ModelError) as error:
         mapping_for({**LLAMA, "model_type": "bert"}, "paddleformers")
-    assert "model_type 'bert' is not a family aoa knows (known: deepseek_v3, gemma3_text" in \
+    assert "model_type 'bert' is not a family aoa knows (known: deepseek_v3, ernie4_5, gemma3_text" in \
         str(error.value)
     assert "Write the mapping by hand" in error.value.render()
 
@@ -268,6 +268,20 @@ def test_wrong_head_count_names_the_config_fields(tmp_path, capsys):
     _, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
                     str(tmp_path / "pf"), "--to", "paddleformers", "--quiet", capsys=capsys)
     assert ("gives [8 (num_key_value_heads * head_dim), 32 (hidden_size)]" in err)
+
+
+def test_ernie_with_biases_is_refused_and_says_why(tmp_path, capsys):
+    """PaddleFormers' ERNIE-4.5 gives its norms biases Hugging Face's lacks under use_bias."""
+    config = {**LLAMA, "model_type": "ernie4_5", "use_bias": True}
+    hf_folder(tmp_path / "hf", config)
+    status, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", "--quiet",
+                         capsys=capsys)
+    assert status == 1
+    assert (f"{tmp_path / 'hf' / 'config.json'}: use_bias is true; aoa maps ERNIE-4.5 to "
+            "paddleformers only without biases") in err
+    assert "gives ERNIE-4.5's norms a bias under use_bias" in err
+    assert not (tmp_path / "pf").exists()
 
 
 def test_output_that_is_not_empty_is_refused(hf, tmp_path, capsys):
