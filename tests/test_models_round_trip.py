@@ -6,9 +6,12 @@ fixed input bit-identical."""
 from __future__ import annotations
 
 import json
+import subprocess
 
+import numpy as np
 import pytest
-from models_support import MODELS, aoa, build, logits, tensors
+from frameworks import PADDLE_PYTHON, ROOT
+from models_support import IDS, MODELS, aoa, build, logits, tensors
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +68,7 @@ def test_expert_parallel_round_trip(name, tmp_path):
     round_trip(name, tmp_path, "2", ep=2)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "qwen2_moe", "gemma3_text"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "qwen2_moe", "gemma3_text", "ernie4_5"])
 def test_reshard_tp2_to_tp4_then_back(name, tmp_path):
     """A fused layout written at TP 2, laid out again at TP 4, comes back whole."""
     round_trip(name, tmp_path, "2", "4")
@@ -93,3 +96,30 @@ def test_bfloat16_round_trip_keeps_router_float32(name, tmp_path):
 def test_pipeline_round_trip(name, tmp_path):
     """Layers placed on two pipeline stages (and experts on two expert-parallel ranks)."""
     round_trip(name, tmp_path, "2", ep=2 if MODELS[name][3] else 1, pp=2)
+
+
+@pytest.mark.skipif(PADDLE_PYTHON is None, reason="PaddlePaddle 3.3.1 venv not here")
+@pytest.mark.parametrize(("name", "module", "model_class"), [
+    ("ernie4_5", "ernie4_5", "Ernie4_5ForCausalLM"),
+    ("ernie4_5_untied", "ernie4_5", "Ernie4_5ForCausalLM"),
+    ("llama", "llama", "LlamaForCausalLM"),
+    ("llama_tied_biases", "llama", "LlamaForCausalLM"),
+    ("gemma3_text", "gemma3_text", "Gemma3ForCausalLM"),
+    ("phi3", "phi3", "Phi3ForCausalLM"),
+])
+def test_paddleformers_model_runs_what_was_written(name, module, model_class, tmp_path):
+    """PaddleFormers' own model, its parameters read by Paddle's load_state_dict from what
+    `--to paddleformers` wrote, gives transformers' logits (float32, two frameworks'
+    arithmetic: within 1e-4). The families whose PaddleFormers model runs here: the others
+    need PaddleFleet, and PaddleFormers' GPT-OSS computes other logits than transformers'
+    from the same weights (its first layer's output differs; its statements rename them)."""
+    model = build(name, tmp_path / "hf")
+    status, err = aoa("convert", "--source", str(tmp_path / "hf"), "--output",
+                      str(tmp_path / "pf"), "--to", "paddleformers")
+    assert status == 0, err
+    out = tmp_path / "logits.npy"
+    result = subprocess.run([str(PADDLE_PYTHON), str(ROOT / "bench" / "paddleformers_forward.py"),
+                             module, model_class, str(tmp_path / "pf"), json.dumps(IDS),
+                             str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    np.testing.assert_allclose(np.load(out), logits(model).numpy(), rtol=0, atol=1e-4)
