@@ -117,6 +117,27 @@ def test_expert_and_pipeline_placement():
     assert (qkv, (0, 32)) in shards  # split by tp on axis 1
 
 
+@pytest.mark.parametrize(("model_type", "expert"), [
+    ("qwen3_moe", "up_gate_proj"), ("deepseek_v3", "gate_proj")])
+def test_experts_stay_whole_under_tensor_parallelism_without_expert_parallelism(model_type,
+                                                                                 expert):
+    """PaddleFormers builds its experts at tensor parallelism 1: at --tp 2 --ep 1 both ranks
+    hold each expert whole (the rule for every layer's projections must not reach them),
+    while o_proj is split."""
+    config = {**QWEN3, "model_type": model_type, "num_experts": 4, "n_routed_experts": 4,
+              "moe_num_experts": 4, "moe_intermediate_size": 16, "moe_layer_start_index": 1,
+              "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 8,
+              "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4}
+    mapping = mapping_for(config, "paddleformers", Mesh(tp=2))
+    key = f"model.layers.1.mlp.experts.3.{expert}.weight"
+    o_proj = "model.layers.1.self_attn.o_proj.weight"
+    shards = mapping.layout.shards({key: ((32, 32), "float32"), o_proj: ((32, 32), "float32")})
+    assert [(s.global_offset, s.local_shape) for s in shards.by_key[key]] == \
+        [((0, 0), (32, 32))] * 2
+    assert [(s.global_offset, s.local_shape) for s in shards.by_key[o_proj]] == \
+        [((0, 0), (16, 32)), ((16, 0), (16, 32))]
+
+
 def test_unknown_family_lists_the_known_ones():
     with pytest.raises(ModelError) as error:
         mapping_for({**LLAMA, "model_type": "bert"}, "paddleformers")

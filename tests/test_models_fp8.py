@@ -234,10 +234,11 @@ def test_a_split_through_scale_blocks_is_refused(tmp_path, capsys):
                       str(tmp_path / "pf"), "--to", "paddleformers", "--tp", "4",
                       capsys=capsys)
     assert status == 1, err
-    # the dense MLP splits in whole blocks; the experts' (split without --ep) do not
+    # the dense MLP splits in whole blocks, the shared expert's do not (routed experts stay
+    # whole on every tensor-parallel rank)
     assert ("error: the mesh (--tp 4, --ep 1, --pp 1) cuts "
-            "'model.layers.1.mlp.experts.0.gate_proj.weight' ([16, 8]) along axis 1 into parts "
-            "of 2, through its fp8 scale blocks of 4") in err
+            "'model.layers.1.mlp.shared_experts.gate_proj.weight' ([16, 8]) along axis 1 into "
+            "parts of 2, through its fp8 scale blocks of 4") in err
     assert "hint: Choose degrees whose parts are whole blocks of 4, or dequantize" in err
     assert not (tmp_path / "pf").exists() or not any((tmp_path / "pf").iterdir())
     # dequantized, the same degree is fine

@@ -141,7 +141,9 @@ def _model_types_by_target() -> dict[str, list[str]]:
 def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
     """The family's splits as mesh rules; dimensions of size 1, and rules that decide no key
     the mapping writes (none matches, or an earlier rule takes each: first match wins), are
-    left out, so that the layout passes the strict check of a user's layout."""
+    left out, so that the layout passes the strict check of a user's layout. A split that
+    asks nothing of this mesh stays where it keeps its keys whole from a later rule (an
+    expert's up_gate_proj from the rule for every layer's: experts at --ep 1)."""
     dimensions = {name: size for name, size in mesh.dimensions().items()
                   if size > 1 or name == "tp"}
     written = [write.replace(LAYER, "0").replace(EXPERT, "0")
@@ -163,12 +165,31 @@ def layout(mapping: TargetMapping, mesh: Mesh) -> MeshLayout:
             places["pp"] = split.pp
         blocks = ({axes["tp"]: split.tp_blocks} if "tp" in axes and split.tp_blocks > 1
                   else {})
-        if axes or places:
-            rules.append(Rule(split.match, axes, places, blocks))
+        rules.append(Rule(split.match, axes, places, blocks))
+    rules = _without_idle_rules(rules, written)
     deciding = {next((i for i, rule in enumerate(rules)
                       if fnmatch.fnmatchcase(key, rule.match)), None) for key in written}
     return MeshLayout(dimensions, tuple(rule for i, rule in enumerate(rules) if i in deciding),
                       "<model layout>")
+
+
+def _without_idle_rules(rules: list[Rule], keys: Sequence[str]) -> list[Rule]:
+    """``rules`` less each one that splits and places nothing on this mesh, where dropping it
+    leaves every key decided as before (no rule: whole on every rank)."""
+
+    def decided(chosen: list[Rule]) -> list[tuple]:
+        first = (next((r for r in chosen if fnmatch.fnmatchcase(key, r.match)), None)
+                 for key in keys)
+        return [(r.axes, r.places, r.blocks) if r else ({}, {}, {}) for r in first]
+
+    want = decided(rules)
+    kept = list(rules)
+    for rule in reversed(rules):
+        if not (rule.axes or rule.places):
+            trial = [r for r in kept if r is not rule]
+            if decided(trial) == want:
+                kept = trial
+    return kept
 
 
 def template_dtypes(templates: Sequence[str], key_dtypes: Mapping[str, str]) -> dict[str, str]:
