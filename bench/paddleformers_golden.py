@@ -60,6 +60,10 @@ SMALL = dict(vocab_size=32, hidden_size=16, num_attention_heads=8, num_key_value
 MOE = dict(moe_intermediate_size=8, num_experts_per_tok=2)
 ROUTED = dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, **MOE)
 
+#: ERNIE-4.5-MoE: a dense first layer, then experts and a shared expert.
+ERNIE_MOE = dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_intermediate_size=8,
+                 moe_layer_start_index=1)
+
 #: name -> (PaddleFormers module, class, transformers config class, arguments, mesh, dtype)
 CASES: dict[str, tuple[str, str, str, dict[str, Any], Mesh, str]] = {
     "llama_tp2": ("llama", "LlamaForCausalLM", "LlamaConfig", {}, Mesh(tp=2), "float32"),
@@ -98,6 +102,13 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any], Mesh, str]] = {
                           "float32"),
     "ernie4_5_bf16_tp4": ("ernie4_5", "Ernie4_5ForCausalLM", "Ernie4_5Config",
                           dict(tie_word_embeddings=False), Mesh(tp=4), "bfloat16"),
+    "ernie4_5_moe_mtp_tp2_ep2": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM",
+                                 "Ernie4_5_MoeConfig", dict(ERNIE_MOE, num_nextn_predict_layers=1),
+                                 Mesh(tp=2, ep=2), "float32"),
+    "ernie4_5_moe_bf16_tp4": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig",
+                              dict(ERNIE_MOE, num_hidden_layers=3, moe_layer_interval=2,
+                                   tie_word_embeddings=False, num_nextn_predict_layers=0),
+                              Mesh(tp=4), "bfloat16"),
 }
 
 

@@ -71,6 +71,14 @@ MODELS: dict[str, tuple[str, str, dict, int]] = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}, 0),
     "ernie4_5_untied": ("Ernie4_5Config", "Ernie4_5ForCausalLM",
                         dict(tie_word_embeddings=False), 0),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(num_hidden_layers=3, moe_num_experts=4, moe_k=2,
+                          moe_num_shared_experts=1, moe_layer_start_index=1, **MOE), 4),
+    "ernie4_5_moe_interval_untied": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                                     dict(num_hidden_layers=4, moe_num_experts=4, moe_k=2,
+                                          moe_num_shared_experts=0, moe_layer_start_index=0,
+                                          moe_layer_interval=2, tie_word_embeddings=False,
+                                          **MOE), 4),
 }
 
 IDS = [[3, 17, 42, 99, 5, 64, 8, 21, 100, 7, 1, 2]]

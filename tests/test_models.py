@@ -118,7 +118,7 @@ def test_expert_and_pipeline_placement():
 
 
 @pytest.mark.parametrize(("model_type", "expert"), [
-    ("qwen3_moe", "up_gate_proj"), ("deepseek_v3", "gate_proj")])
+    ("qwen3_moe", "up_gate_proj"), ("deepseek_v3", "gate_proj"), ("ernie4_5_moe", "up_gate_proj")])
 def test_experts_stay_whole_under_tensor_parallelism_without_expert_parallelism(model_type,
                                                                                  expert):
     """PaddleFormers builds its experts at tensor parallelism 1: at --tp 2 --ep 1 both ranks
@@ -141,8 +141,8 @@ def test_experts_stay_whole_under_tensor_parallelism_without_expert_parallelism(
 def test_unknown_family_lists_the_known_ones():
     with pytest.raises(ModelError) as error:
         mapping_for({**LLAMA, "model_type": "bert"}, "paddleformers")
-    assert "model_type 'bert' is not a family aoa knows (known: deepseek_v3, ernie4_5, gemma3_text" in \
-        str(error.value)
+    assert ("model_type 'bert' is not a family aoa knows (known: deepseek_v3, ernie4_5, "
+            "ernie4_5_moe, gemma3_text") in str(error.value)
     assert "Write the mapping by hand" in error.value.render()
 
 
@@ -381,6 +381,11 @@ GLM = {"model_type": "glm4_moe", "vocab_size": 64, "hidden_size": 16, "head_dim"
        "num_attention_heads": 8, "num_key_value_heads": 4, "first_k_dense_replace": 1,
        "n_routed_experts": 4, "n_shared_experts": 1, "use_qk_norm": True,
        "num_nextn_predict_layers": 1, "tie_word_embeddings": False}
+ERNIE_MOE = {"model_type": "ernie4_5_moe", "vocab_size": 64, "hidden_size": 16, "head_dim": 2,
+             "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "moe_num_experts": 4,
+             "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+             "num_nextn_predict_layers": 1}
 
 
 def round_trip(tmp_path, capsys, *steps: list[str]) -> str:
@@ -413,12 +418,46 @@ def test_multi_token_prediction_layers_round_trip(tmp_path, capsys, config):
         assert "model.layers.2.norm.weight" in keys
 
 
-def test_a_checkpoint_without_its_mtp_layers_converts_with_a_note(tmp_path, capsys):
-    full = hf_folder(tmp_path / "all", DEEPSEEK)
+def test_ernie_mtp_block_round_trip(tmp_path, capsys):
+    """ERNIE-4.5-MoE's MTP block, norms and linear_proj (beside the layers, not among them)
+    go to paddleformers split like a layer on the last stage, and come back whole."""
+    tensors = hf_folder(tmp_path / "hf", ERNIE_MOE)
+    assert "model.mtp_linear_proj.0.weight" in tensors
+    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--ep", "2", "--pp",
+                                  "2"], ["--to", "hf"])
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        assert set(f.tensors) == set(tensors)
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
+    boxes = held(tmp_path / "out0")
+    assert np.array_equal(boxes["model.mtp_linear_proj.0.weight", (0, 0)],
+                          tensors["model.mtp_linear_proj.0.weight"].T)
+    qkv = {offset for key, offset in boxes if key == "model.mtp_block.0.self_attn.qkv_proj.weight"}
+    assert qkv == {(0, 0), (0, 16)}  # split by tp like a layer's
+
+
+def test_an_mtp_block_among_the_sparse_layers_is_refused(tmp_path, capsys):
+    config = {**ERNIE_MOE, "moe_layer_start_index": 0}
+    hf_folder(tmp_path / "hf", config)
+    status, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", "--quiet", capsys=capsys)
+    assert status == 1
+    assert (": num_nextn_predict_layers is 1, and an MTP block numbered among the sparse "
+            "layers would hold experts") in err
+    assert not (tmp_path / "pf").exists()
+
+
+@pytest.mark.parametrize(("config", "mtp"), [(DEEPSEEK, "model.layers.2."),
+                                             (ERNIE_MOE, "model.mtp_")],
+                         ids=["deepseek_v3", "ernie4_5_moe"])
+def test_a_checkpoint_without_its_mtp_layers_converts_with_a_note(tmp_path, capsys, config,
+                                                                 mtp):
+    full = hf_folder(tmp_path / "all", config)
     folder = tmp_path / "hf"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(DEEPSEEK))
-    kept = {k: v for k, v in full.items() if not k.startswith("model.layers.2.")}
+    (folder / "config.json").write_text(json.dumps(config))
+    kept = {k: v for k, v in full.items() if not k.startswith(mtp)}
+    assert len(kept) < len(full)
 
     def fill(views):
         for name, view in views.items():

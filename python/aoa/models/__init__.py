@@ -16,6 +16,7 @@ from typing import Any
 from aoa.models import (
     deepseek_v3,
     ernie4_5,
+    ernie4_5_moe,
     gemma3,
     glm4_moe,
     gpt_oss,
@@ -33,7 +34,7 @@ from aoa.models.mapping import DTYPES, ModelMapping, build
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
     deepseek_v3.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY, gemma3.FAMILY, phi3.FAMILY,
-    ernie4_5.FAMILY)
+    ernie4_5.FAMILY, ernie4_5_moe.FAMILY)
 TARGETS = ("paddleformers", "megatron")
 
 
