@@ -161,10 +161,13 @@ MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_expert
     (LLAMA, "num_hidden_layers", 2**40, "16,384"),
     (MIXTRAL, "num_local_experts", 2**63, "16,384"),
     (LLAMA, "hidden_size", 2**63, "16,777,216"),
+    ({**QWEN3, "model_type": "ernie4_5_moe", "moe_num_experts": 4, "moe_intermediate_size": 8,
+      "moe_layer_start_index": 1}, "moe_num_experts", 2**40, "16,384"),
 ])
 def test_a_count_past_aoa_s_bound_is_refused_before_any_work(config, field, value, most):
+    target = "paddleformers" if config["model_type"] == "ernie4_5_moe" else "megatron"
     with pytest.raises(ModelError) as error:
-        len(mapping_for({**config, field: value}, "megatron").source_tensors)
+        len(mapping_for({**config, field: value}, target).source_tensors)
     assert error.value.message == (f"config.json: '{field}' is {value}, more than aoa takes "
                                    f"({most})")
 

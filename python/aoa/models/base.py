@@ -33,7 +33,7 @@ _MISSING = object()
 #: The counts a family makes tensors and steps for one by one (`MAX_MODEL_UNITS`).
 _ONE_BY_ONE = frozenset({"num_hidden_layers", "num_nextn_predict_layers",
                          "first_k_dense_replace", "n_routed_experts", "num_local_experts",
-                         "num_experts"})
+                         "num_experts", "moe_num_experts"})
 
 
 class Config:
