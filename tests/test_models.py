@@ -439,6 +439,37 @@ def test_ernie_mtp_block_round_trip(tmp_path, capsys):
     assert qkv == {(0, 0), (0, 16)}  # split by tp like a layer's
 
 
+@pytest.mark.parametrize(("config", "key", "dtype", "extra", "message"), [
+    (ERNIE_MOE, "model.layers.1.mlp.moe_statics.e_score_correction_bias", np.int32, [],
+     "'model.layers.$LAYER_ID.mlp.moe_statics.e_score_correction_bias' is stored as int32; "
+     "the paddleformers target keeps it in float32, and no weight of this family is stored "
+     "as integers"),
+    (LLAMA, "model.norm.weight", np.int8, ["--dtype", "bfloat16"],
+     "'model.norm.weight' is stored as int8; the paddleformers target casts it to bfloat16, "
+     "and no weight of this family is stored as integers"),
+])
+def test_an_integer_tensor_the_target_casts_is_refused(tmp_path, capsys, config, key, dtype,
+                                                        extra, message):
+    """Cast forward it would convert, but the way back could not cast it again: a checkpoint
+    that cannot come back is refused before a byte is written."""
+    tensors = hf_folder(tmp_path / "hf", config)
+    tensors[key] = tensors[key].astype(dtype)
+
+    def fill(views):
+        for name, view in views.items():
+            np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
+
+    write_safetensors(tmp_path / "hf" / "model.safetensors",
+                      [aoa.ShardDesc.full(k, v.shape, str(v.dtype)) for k, v in tensors.items()],
+                      None, fill)
+    status, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", *extra, "--quiet",
+                         capsys=capsys)
+    assert status == 1
+    assert message in err
+    assert not (tmp_path / "pf").exists()
+
+
 def test_an_mtp_block_among_the_sparse_layers_is_refused(tmp_path, capsys):
     config = {**ERNIE_MOE, "moe_layer_start_index": 0}
     hf_folder(tmp_path / "hf", config)

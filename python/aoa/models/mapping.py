@@ -122,6 +122,7 @@ def build(family: Family, cfg: Config, target: str, mesh: Mesh, *, dtype: str | 
     mapping = family.targets[target](cfg, mesh, **given)
     if fp8 is not None:
         mapping = with_scales(mapping, fp8, dequantize=dtype is not None)
+    _check_casts(mapping, target, dtype, source_dtypes or {})
     forward = _forward_text(family, cfg, target, mapping, dtype, source_dtypes or {})
     return ModelMapping(family, cfg, target, mesh, dtype, forward, layout(mapping, mesh),
                         tuple(mapping.steps), tuple(mapping.stacking), tuple(mapping.objects),
@@ -259,6 +260,23 @@ def _header(family: Family, cfg: Config, target: str, notes: Sequence[str]) -> l
 
 def _cast(statement: str, dtype: str) -> str:
     return f"{statement}, dtype='{dtype}'"
+
+
+def _check_casts(mapping: TargetMapping, target: str, dtype: str | None,
+                 source_dtypes: Mapping[str, str]) -> None:
+    """A tensor stored as integers or booleans where the target casts it (a router kept in
+    float32, everything with --dtype) is a mistake in the checkpoint: no family's weight
+    has such a dtype, and the way back (--to hf) could not cast it back."""
+    for step in mapping.steps:
+        want = "float32" if step.float32 else dtype
+        for read in step.reads if want is not None else ():
+            have = source_dtypes.get(read)
+            if have is not None and have != want and have.startswith(("int", "uint", "bool")):
+                casts = ("keeps it in float32" if step.float32 else f"casts it to {dtype}")
+                raise ModelError(f"'{read}' is stored as {have}; the {target} target {casts}, "
+                                 "and no weight of this family is stored as integers",
+                                 hint="The checkpoint holds a tensor of the wrong dtype; the "
+                                      "model's original files have it in a float dtype.")
 
 
 def _forward_text(family: Family, cfg: Config, target: str, mapping: TargetMapping,
