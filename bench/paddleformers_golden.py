@@ -60,6 +60,12 @@ SMALL = dict(vocab_size=32, hidden_size=16, num_attention_heads=8, num_key_value
 MOE = dict(moe_intermediate_size=8, num_experts_per_tok=2)
 ROUTED = dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, **MOE)
 
+#: DeepSeek-V3.2: V3's latent attention with its indexer, a dense first layer.
+DEEPSEEK_V32 = dict(num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=4,
+                    qk_rope_head_dim=2, qk_nope_head_dim=2, v_head_dim=2, num_key_value_heads=8,
+                    index_n_heads=2, index_head_dim=4, index_topk=4, num_nextn_predict_layers=0,
+                    **ROUTED)
+
 #: ERNIE-4.5-MoE: a dense first layer, then experts and a shared expert.
 ERNIE_MOE = dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_intermediate_size=8,
                  moe_layer_start_index=1)
@@ -93,6 +99,13 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any], Mesh, str]] = {
                              v_head_dim=2, num_key_value_heads=8, num_nextn_predict_layers=0,
                              **ROUTED),
                         Mesh(tp=2), "float32"),
+    "deepseek_v32_mtp_bf16_tp2_ep2": ("deepseek_v32", "DeepseekV32ForCausalLM",
+                                      "DeepseekV32Config", dict(DEEPSEEK_V32,
+                                                                num_nextn_predict_layers=1),
+                                      Mesh(tp=2, ep=2), "bfloat16"),
+    "deepseek_v32_bf16_tp4": ("deepseek_v32", "DeepseekV32ForCausalLM", "DeepseekV32Config",
+                              dict(DEEPSEEK_V32, num_hidden_layers=3, n_shared_experts=2),
+                              Mesh(tp=4), "bfloat16"),
     "qwen3_moe_tp2": ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
                       dict(num_experts=4, **MOE), Mesh(tp=2), "float32"),
     "glm4_moe_mtp_tp2_ep2": ("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",

@@ -141,8 +141,8 @@ def test_experts_stay_whole_under_tensor_parallelism_without_expert_parallelism(
 def test_unknown_family_lists_the_known_ones():
     with pytest.raises(ModelError) as error:
         mapping_for({**LLAMA, "model_type": "bert"}, "paddleformers")
-    assert ("model_type 'bert' is not a family aoa knows (known: deepseek_v3, ernie4_5, "
-            "ernie4_5_moe, gemma3_text") in str(error.value)
+    assert ("model_type 'bert' is not a family aoa knows (known: deepseek_v3, deepseek_v32, "
+            "ernie4_5, ernie4_5_moe, gemma3_text") in str(error.value)
     assert "Write the mapping by hand" in error.value.render()
 
 
@@ -384,6 +384,8 @@ GLM = {"model_type": "glm4_moe", "vocab_size": 64, "hidden_size": 16, "head_dim"
        "num_attention_heads": 8, "num_key_value_heads": 4, "first_k_dense_replace": 1,
        "n_routed_experts": 4, "n_shared_experts": 1, "use_qk_norm": True,
        "num_nextn_predict_layers": 1, "tie_word_embeddings": False}
+DEEPSEEK_V32 = {**DEEPSEEK, "model_type": "deepseek_v32", "index_n_heads": 2,
+                "index_head_dim": 4, "num_key_value_heads": 4}
 ERNIE_MOE = {"model_type": "ernie4_5_moe", "vocab_size": 64, "hidden_size": 16, "head_dim": 2,
              "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 2,
              "num_attention_heads": 8, "num_key_value_heads": 4, "moe_num_experts": 4,
@@ -402,7 +404,8 @@ def round_trip(tmp_path, capsys, *steps: list[str]) -> str:
     return notes
 
 
-@pytest.mark.parametrize("config", [DEEPSEEK, GLM], ids=["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("config", [DEEPSEEK, GLM, DEEPSEEK_V32],
+                         ids=["deepseek_v3", "glm4_moe", "deepseek_v32"])
 def test_multi_token_prediction_layers_round_trip(tmp_path, capsys, config):
     tensors = hf_folder(tmp_path / "hf", config)
     assert any(k.startswith("model.layers.2.eh_proj") for k in tensors)
@@ -415,9 +418,13 @@ def test_multi_token_prediction_layers_round_trip(tmp_path, capsys, config):
     boxes = held(tmp_path / "out0")
     eh = boxes["model.layers.2.eh_proj.weight", (0, 0)]
     assert np.array_equal(eh, tensors["model.layers.2.eh_proj.weight"].T)
+    keys = {key for key, _ in boxes}
     if config is GLM:  # the MTP layer's decoder goes under transformer_layer.
-        keys = {key for key, _ in boxes}
         assert "model.layers.2.transformer_layer.self_attn.qkv_proj.weight" in keys
+        assert "model.layers.2.norm.weight" in keys
+    if config is DEEPSEEK_V32:  # so does V3.2's, with its indexer
+        assert ("model.layers.2.transformer_layer.self_attn.core_attention.indexer.wk.weight"
+                in keys)
         assert "model.layers.2.norm.weight" in keys
 
 
@@ -470,6 +477,14 @@ def test_an_integer_tensor_the_target_casts_is_refused(tmp_path, capsys, config,
     assert not (tmp_path / "pf").exists()
 
 
+def test_deepseek_v32_layer_kinds_must_be_one_per_layer():
+    with pytest.raises(ModelError) as error:
+        mapping_for({**DEEPSEEK_V32, "mlp_layer_types": ["dense"]}, "paddleformers")
+    assert error.value.message == ("config.json: 'mlp_layer_types' is ['dense']; a list of "
+                                   "\"dense\" or \"sparse\", one for each of the 2 layers, "
+                                   "is needed")
+
+
 def test_an_mtp_block_among_the_sparse_layers_is_refused(tmp_path, capsys):
     config = {**ERNIE_MOE, "moe_layer_start_index": 0}
     hf_folder(tmp_path / "hf", config)
@@ -482,8 +497,9 @@ def test_an_mtp_block_among_the_sparse_layers_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("config", "mtp"), [(DEEPSEEK, "model.layers.2."),
+                                             (DEEPSEEK_V32, "model.layers.2."),
                                              (ERNIE_MOE, "model.mtp_")],
-                         ids=["deepseek_v3", "ernie4_5_moe"])
+                         ids=["deepseek_v3", "deepseek_v32", "ernie4_5_moe"])
 def test_a_checkpoint_without_its_mtp_layers_converts_with_a_note(tmp_path, capsys, config,
                                                                  mtp):
     full = hf_folder(tmp_path / "all", config)

@@ -57,7 +57,7 @@ def fp8_folder(folder: Path, *, config: dict = CONFIG, drop: str | None = None
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "tokenizer.json").write_text("{}")
-    family = next(f for f in FAMILIES if f.name == "deepseek_v3")
+    family = next(f for f in FAMILIES if f.name == config["model_type"])
     rng = np.random.default_rng(0)
     tensors: dict[str, np.ndarray] = {}
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
@@ -158,6 +158,33 @@ def test_dequantized_to_paddleformers_and_back(tmp_path, capsys):
             want = dequantized(tensors, key) if is_fp8(key) else value
             assert f.array(key).tobytes() == want.tobytes(), key
             assert f.array(key).dtype == want.dtype, key
+
+
+def test_deepseek_v32_release_dequantized_and_back(tmp_path, capsys):
+    """DeepSeek-V3.2 as it ships (fp8 projections, its indexer's among them): dequantized to
+    paddleformers and back gives the dequantized values (the router's correction bias, which
+    PaddleFormers does not keep in float32 for V3.2, narrowed to bfloat16 with the rest).
+    Kept in fp8 it is refused: the fused gate/up of its dense layers cannot carry scales."""
+    config = {**CONFIG, "model_type": "deepseek_v32", "index_n_heads": 2, "index_head_dim": 4}
+    tensors = fp8_folder(tmp_path / "hf", config=config)
+    assert "model.layers.0.self_attn.indexer.weights_proj.weight_scale_inv" in tensors
+    convert(tmp_path / "hf", tmp_path / "bf16", "--to", "paddleformers", "--tp", "2", "--ep",
+            "2", "--dtype", "bfloat16", capsys=capsys)
+    convert(tmp_path / "bf16", tmp_path / "back", "--to", "hf", capsys=capsys)
+    with SafetensorsFile.open(tmp_path / "back" / "model.safetensors") as f:
+        assert set(f.tensors) == {k for k in tensors if not k.endswith("_scale_inv")}
+        for key, value in tensors.items():
+            if key.endswith("e_score_correction_bias"):
+                value = value.astype(ml_dtypes.bfloat16).astype(np.float32)
+            if not key.endswith("_scale_inv"):
+                want = dequantized(tensors, key) if is_fp8(key) else value
+                assert f.array(key).tobytes() == want.tobytes(), key
+    status, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                      str(tmp_path / "fp8"), "--to", "paddleformers", capsys=capsys)
+    assert status == 1
+    assert ("error: 'model.layers.0.mlp.gate_proj.weight' is stored in fp8 and goes into the "
+            "fused 'model.layers.0.mlp.up_gate_proj.weight', which its scales cannot follow"
+            ) in err
 
 
 def test_kept_in_fp8_with_scales_beside_and_back(tmp_path, capsys):

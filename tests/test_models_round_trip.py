@@ -74,7 +74,7 @@ def test_reshard_tp2_to_tp4_then_back(name, tmp_path):
     round_trip(name, tmp_path, "2", "4")
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "ernie4_5_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "ernie4_5_moe", "deepseek_v32"])
 def test_bfloat16_round_trip_keeps_router_float32(name, tmp_path):
     """bf16 weights stay bf16; the router PaddleFormers keeps in float32 is widened on the
     way there and narrowed back exactly."""
@@ -87,15 +87,16 @@ def test_bfloat16_round_trip_keeps_router_float32(name, tmp_path):
         dtypes = {key: {shard.dtype for shard in shards} for key, shards in pf.shards.items()}
     gates = [v for k, v in dtypes.items() if k.endswith("mlp.gate.weight")]
     assert gates and all(v == {"float32"} for v in gates)
-    embed = "model.embedding.embed_tokens.weight" if name == "qwen3_moe" else \
-        "model.embed_tokens.weight"
+    embed = "model.embedding.embed_tokens.weight" if name in ("qwen3_moe", "deepseek_v32") \
+        else "model.embed_tokens.weight"
     assert dtypes[embed] == {"bfloat16"}
     if name == "ernie4_5_moe":  # the router's correction bias too
         biases = [v for k, v in dtypes.items() if k.endswith("e_score_correction_bias")]
         assert biases and all(v == {"float32"} for v in biases)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gemma3_text", "ernie4_5_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gemma3_text", "ernie4_5_moe",
+                                  "deepseek_v32"])
 def test_pipeline_round_trip(name, tmp_path):
     """Layers placed on two pipeline stages (and experts on two expert-parallel ranks)."""
     round_trip(name, tmp_path, "2", ep=2 if MODELS[name][3] else 1, pp=2)

@@ -15,6 +15,7 @@ from typing import Any
 
 from aoa.models import (
     deepseek_v3,
+    deepseek_v32,
     ernie4_5,
     ernie4_5_moe,
     gemma3,
@@ -33,8 +34,8 @@ from aoa.models.mapping import DTYPES, ModelMapping, build
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
-    deepseek_v3.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY, gemma3.FAMILY, phi3.FAMILY,
-    ernie4_5.FAMILY, ernie4_5_moe.FAMILY)
+    deepseek_v3.FAMILY, deepseek_v32.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY, gemma3.FAMILY,
+    phi3.FAMILY, ernie4_5.FAMILY, ernie4_5_moe.FAMILY)
 TARGETS = ("paddleformers", "megatron")
 
 
