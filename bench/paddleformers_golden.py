@@ -66,6 +66,11 @@ DEEPSEEK_V32 = dict(num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=8,
                     index_n_heads=2, index_head_dim=4, index_topk=4, num_nextn_predict_layers=0,
                     **ROUTED)
 
+#: Kimi-K2: DeepSeek-V3's architecture, a dense first layer, no MTP layer.
+KIMI_K2 = dict(num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=4,
+               qk_rope_head_dim=2, qk_nope_head_dim=2, v_head_dim=2, num_key_value_heads=8,
+               num_nextn_predict_layers=0, **ROUTED)
+
 #: ERNIE-4.5-MoE: a dense first layer, then experts and a shared expert.
 ERNIE_MOE = dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_intermediate_size=8,
                  moe_layer_start_index=1)
@@ -106,6 +111,8 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any], Mesh, str]] = {
     "deepseek_v32_bf16_tp4": ("deepseek_v32", "DeepseekV32ForCausalLM", "DeepseekV32Config",
                               dict(DEEPSEEK_V32, num_hidden_layers=3, n_shared_experts=2),
                               Mesh(tp=4), "bfloat16"),
+    "kimi_k2_bf16_tp2_ep2": ("kimi_k2", "KimiK2ForCausalLM", "DeepseekV3Config",
+                             dict(KIMI_K2, model_type="kimi_k2"), Mesh(tp=2, ep=2), "bfloat16"),
     "qwen3_moe_tp2": ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
                       dict(num_experts=4, **MOE), Mesh(tp=2), "float32"),
     "glm4_moe_mtp_tp2_ep2": ("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",
@@ -135,8 +142,13 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any], Mesh, str]] = {
 
 
 def config_dict(config_class: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    config = getattr(transformers, config_class)(**{**SMALL, **arguments})
-    return json.loads(config.to_json_string())
+    """The config.json transformers writes; a `model_type` among the arguments replaces the
+    class's (Kimi-K2 ships DeepSeek-V3's config under its own)."""
+    given = dict(arguments)
+    model_type = given.pop("model_type", None)
+    config = json.loads(getattr(transformers, config_class)(**{**SMALL, **given})
+                        .to_json_string())
+    return config if model_type is None else {**config, "model_type": model_type}
 
 
 def paddleformers_statements(module: str, model_class: str, config: dict[str, Any],

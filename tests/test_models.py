@@ -142,7 +142,8 @@ def test_unknown_family_lists_the_known_ones():
     with pytest.raises(ModelError) as error:
         mapping_for({**LLAMA, "model_type": "bert"}, "paddleformers")
     assert ("model_type 'bert' is not a family aoa knows (known: deepseek_v3, deepseek_v32, "
-            "ernie4_5, ernie4_5_moe, gemma3_text") in str(error.value)
+            "ernie4_5, ernie4_5_moe, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama") \
+        in str(error.value)
     assert "Write the mapping by hand" in error.value.render()
 
 
@@ -474,6 +475,46 @@ def test_an_integer_tensor_the_target_casts_is_refused(tmp_path, capsys, config,
                          capsys=capsys)
     assert status == 1
     assert message in err
+    assert not (tmp_path / "pf").exists()
+
+
+KIMI_K2 = {**DEEPSEEK, "model_type": "kimi_k2", "num_nextn_predict_layers": 0}
+
+
+def test_kimi_k2_to_paddleformers_and_back(tmp_path, capsys):
+    """Kimi-K2's folder (DeepSeek-V3's tensors under model_type kimi_k2) goes to its
+    PaddleFleet layout and comes back byte for byte; the router and its bias in float32."""
+    tensors = hf_folder(tmp_path / "hf", KIMI_K2)
+    round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--ep", "2"],
+               ["--to", "hf"])
+    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
+        assert set(f.tensors) == set(tensors)
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
+    boxes = held(tmp_path / "out0")
+    keys = {key for key, _ in boxes}
+    assert {"model.embedding.embed_tokens.weight", "model.lm_head.weight",
+            "model.layers.0.mlp.up_gate_proj.weight",
+            "model.layers.1.mlp.shared_experts.up_gate_proj.weight"} <= keys
+    assert np.array_equal(boxes["model.layers.1.mlp.gate.weight", (0, 0)],
+                          tensors["model.layers.1.mlp.gate.weight"])  # not transposed
+
+
+def test_kimi_k2_to_megatron_is_deepseek_v3s_mapping():
+    kimi = mapping_for({**KIMI_K2, "num_nextn_predict_layers": 0}, "megatron", Mesh(tp=2))
+    v3 = mapping_for({**DEEPSEEK, "num_nextn_predict_layers": 0}, "megatron", Mesh(tp=2))
+    statements = [line for line in kimi.forward.splitlines() if not line.startswith("#")]
+    assert statements == [line for line in v3.forward.splitlines() if not line.startswith("#")]
+    assert kimi.layout == v3.layout
+
+
+def test_kimi_k2_with_mtp_layers_is_refused(tmp_path, capsys):
+    hf_folder(tmp_path / "hf", {**KIMI_K2, "num_nextn_predict_layers": 1})
+    status, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
+                         str(tmp_path / "pf"), "--to", "paddleformers", "--quiet", capsys=capsys)
+    assert status == 1
+    assert (": num_nextn_predict_layers is 1; PaddleFormers 1.2.0 writes no "
+            "multi-token-prediction layer of Kimi-K2") in err
     assert not (tmp_path / "pf").exists()
 
 

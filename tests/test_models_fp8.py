@@ -160,21 +160,25 @@ def test_dequantized_to_paddleformers_and_back(tmp_path, capsys):
             assert f.array(key).dtype == want.dtype, key
 
 
-def test_deepseek_v32_release_dequantized_and_back(tmp_path, capsys):
-    """DeepSeek-V3.2 as it ships (fp8 projections, its indexer's among them): dequantized to
-    paddleformers and back gives the dequantized values (the router's correction bias, which
-    PaddleFormers does not keep in float32 for V3.2, narrowed to bfloat16 with the rest).
-    Kept in fp8 it is refused: the fused gate/up of its dense layers cannot carry scales."""
-    config = {**CONFIG, "model_type": "deepseek_v32", "index_n_heads": 2, "index_head_dim": 4}
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("deepseek_v32", {"index_n_heads": 2, "index_head_dim": 4}),
+    ("kimi_k2", {"num_nextn_predict_layers": 0})])
+def test_paddlefleet_builds_of_the_fp8_releases_dequantized_and_back(tmp_path, capsys,
+                                                                     model_type, extra):
+    """DeepSeek-V3.2 and Kimi-K2 as they ship (fp8 projections; V3.2's indexer's among
+    them): dequantized to paddleformers and back gives the dequantized values (V3.2's
+    router correction bias, which PaddleFormers keeps in float32 for Kimi-K2 only, narrowed
+    to bfloat16 with the rest). Kept in fp8 they are refused: the fused gate/up of their
+    dense layers cannot carry block scales."""
+    config = {**CONFIG, "model_type": model_type, **extra}
     tensors = fp8_folder(tmp_path / "hf", config=config)
-    assert "model.layers.0.self_attn.indexer.weights_proj.weight_scale_inv" in tensors
     convert(tmp_path / "hf", tmp_path / "bf16", "--to", "paddleformers", "--tp", "2", "--ep",
             "2", "--dtype", "bfloat16", capsys=capsys)
     convert(tmp_path / "bf16", tmp_path / "back", "--to", "hf", capsys=capsys)
     with SafetensorsFile.open(tmp_path / "back" / "model.safetensors") as f:
         assert set(f.tensors) == {k for k in tensors if not k.endswith("_scale_inv")}
         for key, value in tensors.items():
-            if key.endswith("e_score_correction_bias"):
+            if key.endswith("e_score_correction_bias") and model_type == "deepseek_v32":
                 value = value.astype(ml_dtypes.bfloat16).astype(np.float32)
             if not key.endswith("_scale_inv"):
                 want = dequantized(tensors, key) if is_fp8(key) else value

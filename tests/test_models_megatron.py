@@ -328,8 +328,8 @@ def test_a_family_without_the_target_names_the_families_with_it():
         mapping_for({"model_type": "gemma3_text"}, "megatron")
     assert caught.value.message == (
         "the gemma3_text family has no 'megatron' target (it has paddleformers); the model "
-        "types with one: deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, "
-        "qwen3, qwen3_moe")
+        "types with one: deepseek_v3, glm4_moe, kimi_k2, llama, mistral, mixtral, qwen2, "
+        "qwen2_moe, qwen3, qwen3_moe")
 
 
 def test_multi_token_prediction_layers_are_refused(tmp_path, capsys):

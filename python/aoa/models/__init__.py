@@ -21,6 +21,7 @@ from aoa.models import (
     gemma3,
     glm4_moe,
     gpt_oss,
+    kimi_k2,
     llama,
     mixtral,
     phi3,
@@ -35,7 +36,7 @@ from aoa.models.mapping import DTYPES, ModelMapping, build
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
     deepseek_v3.FAMILY, deepseek_v32.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY, gemma3.FAMILY,
-    phi3.FAMILY, ernie4_5.FAMILY, ernie4_5_moe.FAMILY)
+    phi3.FAMILY, ernie4_5.FAMILY, ernie4_5_moe.FAMILY, kimi_k2.FAMILY)
 TARGETS = ("paddleformers", "megatron")
 
 

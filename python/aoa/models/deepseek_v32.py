@@ -115,7 +115,8 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
     for layer, sparse in enumerate(sparse_layers(cfg)):
         hf = f"model.layers.{layer}."
         target = hf + ("transformer_layer." if layer >= layers else "")
-        decoder_layer(m, hf, target, sparse=sparse, shared=cfg.count("n_shared_experts", 0) > 0)
+        decoder_layer(m, hf, target, sparse=sparse, shared=cfg.count("n_shared_experts", 0) > 0,
+                      indexer=True)
         if layer >= layers:
             m.add(linear(hf + "eh_proj.weight", hf + "eh_proj.weight"),
                   rename(hf + "enorm.weight", hf + "enorm.weight"),
@@ -130,24 +131,27 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
     return m
 
 
-def decoder_layer(m: TargetMapping, hf: str, target: str, *, sparse: bool,
-                  shared: bool) -> None:
-    """One layer: norms, latent attention with its indexer, and its MLP or experts."""
+def decoder_layer(m: TargetMapping, hf: str, target: str, *, sparse: bool, shared: bool,
+                  indexer: bool, bias_float32: bool = False) -> None:
+    """One PaddleFleet layer: norms, latent attention (with V3.2's indexer), and its MLP or
+    experts; ``bias_float32``: the router's correction bias kept in float32 as well."""
     paddleformers.layer_norms(m, hf, target)
     a, b = hf + "self_attn.", target + "self_attn."
     for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
         m.add(linear(f"{a}{proj}.weight", f"{b}{proj}.weight"))
     for norm in ("q_a_layernorm", "kv_a_layernorm"):
         m.add(rename(f"{a}{norm}.weight", f"{b}{norm}.weight"))
-    i, j = hf + INDEXER, target + "self_attn.core_attention.indexer."
-    for proj in ("wq_b", "wk", "weights_proj"):
-        m.add(linear(f"{i}{proj}.weight", f"{j}{proj}.weight"))
-    m.add(rename(i + "k_norm.weight", j + "k_norm.weight"),
-          rename(i + "k_norm.bias", j + "k_norm.bias"))
+    if indexer:
+        i, j = hf + INDEXER, target + "self_attn.core_attention.indexer."
+        for proj in ("wq_b", "wk", "weights_proj"):
+            m.add(linear(f"{i}{proj}.weight", f"{j}{proj}.weight"))
+        m.add(rename(i + "k_norm.weight", j + "k_norm.weight"),
+              rename(i + "k_norm.bias", j + "k_norm.bias"))
     if sparse:
         a, b = hf + "mlp.", target + "mlp."
         m.add(rename(a + "gate.weight", b + "gate.weight", float32=True),
-              rename(a + "gate.e_score_correction_bias", b + "gate.e_score_correction_bias"))
+              rename(a + "gate.e_score_correction_bias", b + "gate.e_score_correction_bias",
+                     float32=bias_float32))
         if shared:
             paddleformers.fused_mlp(m, a + "shared_experts.", b + "shared_experts.")
         paddleformers.experts(m, f"{a}experts.{EXPERT}.", f"{b}experts.{EXPERT}.")
