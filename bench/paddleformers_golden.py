@@ -71,6 +71,11 @@ KIMI_K2 = dict(num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=8, kv_l
                qk_rope_head_dim=2, qk_nope_head_dim=2, v_head_dim=2, num_key_value_heads=8,
                num_nextn_predict_layers=0, **ROUTED)
 
+#: Qwen3-Next: a linear-attention layer, then a full-attention one; experts and a shared one.
+QWEN3_NEXT = dict(full_attention_interval=2, num_experts=4, shared_expert_intermediate_size=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
+                  linear_value_head_dim=4, linear_conv_kernel_dim=4, **MOE)
+
 #: ERNIE-4.5-MoE: a dense first layer, then experts and a shared expert.
 ERNIE_MOE = dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_intermediate_size=8,
                  moe_layer_start_index=1)
@@ -113,6 +118,10 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any], Mesh, str]] = {
                               Mesh(tp=4), "bfloat16"),
     "kimi_k2_bf16_tp2_ep2": ("kimi_k2", "KimiK2ForCausalLM", "DeepseekV3Config",
                              dict(KIMI_K2, model_type="kimi_k2"), Mesh(tp=2, ep=2), "bfloat16"),
+    "qwen3_next_tp2_ep2": ("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+                           dict(QWEN3_NEXT), Mesh(tp=2, ep=2), "float32"),
+    "qwen3_next_bf16_tp4": ("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+                            dict(QWEN3_NEXT, num_hidden_layers=4), Mesh(tp=4), "bfloat16"),
     "qwen3_moe_tp2": ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
                       dict(num_experts=4, **MOE), Mesh(tp=2), "float32"),
     "glm4_moe_mtp_tp2_ep2": ("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",

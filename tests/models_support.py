@@ -17,6 +17,12 @@ ATTENTION = dict(vocab_size=128, hidden_size=32, num_attention_heads=8, num_key_
                  head_dim=4, intermediate_size=64, num_hidden_layers=2)
 MOE = dict(moe_intermediate_size=16)
 
+#: Qwen3-Next: linear attention, then full attention every second layer; a shared expert.
+QWEN3_NEXT = dict(full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
+                  shared_expert_intermediate_size=32, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=4, linear_value_head_dim=4,
+                  linear_conv_kernel_dim=4, **MOE)
+
 #: name -> (config class, model class, config arguments, expert count for EP)
 MODELS: dict[str, tuple[str, str, dict, int]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, 0),
@@ -74,6 +80,11 @@ MODELS: dict[str, tuple[str, str, dict, int]] = {
                           q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
                           qk_nope_head_dim=4, v_head_dim=4, num_key_value_heads=8,
                           index_n_heads=2, index_head_dim=8, index_topk=4, **MOE), 4),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(QWEN3_NEXT, num_hidden_layers=4), 4),
+    "qwen3_next_dense_tied": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                              dict(QWEN3_NEXT, mlp_only_layers=[0], tie_word_embeddings=True),
+                              4),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}, 0),
     "ernie4_5_untied": ("Ernie4_5Config", "Ernie4_5ForCausalLM",
                         dict(tie_word_embeddings=False), 0),

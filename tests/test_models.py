@@ -142,8 +142,8 @@ def test_unknown_family_lists_the_known_ones():
     with pytest.raises(ModelError) as error:
         mapping_for({**LLAMA, "model_type": "bert"}, "paddleformers")
     assert ("model_type 'bert' is not a family aoa knows (known: deepseek_v3, deepseek_v32, "
-            "ernie4_5, ernie4_5_moe, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama") \
-        in str(error.value)
+            "ernie4_5, ernie4_5_moe, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama, mistral, "
+            "mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next)") in str(error.value)
     assert "Write the mapping by hand" in error.value.render()
 
 
@@ -516,6 +516,27 @@ def test_kimi_k2_with_mtp_layers_is_refused(tmp_path, capsys):
     assert (": num_nextn_predict_layers is 1; PaddleFormers 1.2.0 writes no "
             "multi-token-prediction layer of Kimi-K2") in err
     assert not (tmp_path / "pf").exists()
+
+
+QWEN3_NEXT = {**QWEN3, "model_type": "qwen3_next", "num_experts": 4,
+              "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+              "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+              "linear_key_head_dim": 4, "linear_value_head_dim": 4,
+              "linear_conv_kernel_dim": 4, "full_attention_interval": 2}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"layer_types": ["full_attention"]},
+     "config.json: 'layer_types' is ['full_attention']; a list of \"linear_attention\" or "
+     "\"full_attention\", one for each of the 2 layers, is needed"),
+    ({"attention_bias": True},
+     "config.json: attention_bias is true; PaddleFormers 1.2.0 maps the q/k/v biases of "
+     "Qwen3-Next but not o_proj's"),
+])
+def test_qwen3_next_configs_it_cannot_map(change, message):
+    with pytest.raises(ModelError) as error:
+        mapping_for({**QWEN3_NEXT, **change}, "paddleformers")
+    assert error.value.message == message
 
 
 def test_deepseek_v32_layer_kinds_must_be_one_per_layer():

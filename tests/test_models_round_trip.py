@@ -68,13 +68,15 @@ def test_expert_parallel_round_trip(name, tmp_path):
     round_trip(name, tmp_path, "2", ep=2)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "qwen2_moe", "gemma3_text", "ernie4_5"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "qwen2_moe", "gemma3_text", "ernie4_5",
+                                  "qwen3_next"])
 def test_reshard_tp2_to_tp4_then_back(name, tmp_path):
     """A fused layout written at TP 2, laid out again at TP 4, comes back whole."""
     round_trip(name, tmp_path, "2", "4")
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "ernie4_5_moe", "deepseek_v32"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "ernie4_5_moe", "deepseek_v32",
+                                  "qwen3_next"])
 def test_bfloat16_round_trip_keeps_router_float32(name, tmp_path):
     """bf16 weights stay bf16; the router PaddleFormers keeps in float32 is widened on the
     way there and narrowed back exactly."""

@@ -29,6 +29,7 @@ from aoa.models import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 from aoa.models.base import Config, Family, Mesh, ModelError
 from aoa.models.mapping import DTYPES, ModelMapping, build
@@ -36,7 +37,7 @@ from aoa.models.mapping import DTYPES, ModelMapping, build
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
     deepseek_v3.FAMILY, deepseek_v32.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY, gemma3.FAMILY,
-    phi3.FAMILY, ernie4_5.FAMILY, ernie4_5_moe.FAMILY, kimi_k2.FAMILY)
+    phi3.FAMILY, ernie4_5.FAMILY, ernie4_5_moe.FAMILY, kimi_k2.FAMILY, qwen3_next.FAMILY)
 TARGETS = ("paddleformers", "megatron")
 
 
