@@ -115,7 +115,9 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
                          "q/k/v biases of Qwen3-Next but not o_proj's",
                          hint="Qwen3-Next's releases have no attention bias; check the "
                               "config.")
-    m = TargetMapping()
+    heads = cfg.positive("num_attention_heads")
+    m = TargetMapping(notes=[f"q_proj holds each head's query and gate: fused as {2 * heads} "
+                             f"heads of head_dim, the bytes of PaddleFormers' num_heads={heads}"])
     layer = f"model.layers.{LAYER}."
     paddleformers.embedding_and_head(m, cfg, embedding=paddleformers.CLASSIC_EMBEDDING,
                                      head=paddleformers.CLASSIC_HEAD)
@@ -127,8 +129,7 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
         # the way back splits them again (a split that assumes one head size can).
         a = layer + "self_attn."
         m.add(fused_qkv(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
-                        a + "qkv_proj.weight", 2 * cfg.positive("num_attention_heads"),
-                        cfg.kv_heads()),
+                        a + "qkv_proj.weight", 2 * heads, cfg.kv_heads()),
               linear(a + "o_proj.weight", a + "o_proj.weight"),
               rename(a + "q_norm.weight", a + "q_norm.weight"),
               rename(a + "k_norm.weight", a + "k_norm.weight"))
