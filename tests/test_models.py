@@ -37,15 +37,27 @@ def hf_folder(folder: Path, config: dict, *, drop: str | None = None,
         shapes[extra] = (2,)
     rng = np.random.default_rng(seed)
     tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    write_model(folder, tensors)
+    return tensors
 
+
+def write_model(folder: Path, tensors: dict[str, np.ndarray]) -> None:
+    """``folder``/model.safetensors holding ``tensors`` as they are."""
     def fill(views):
         for name, view in views.items():
             np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
 
     write_safetensors(folder / "model.safetensors",
-                      [aoa.ShardDesc.full(k, v.shape, "float32") for k, v in tensors.items()],
+                      [aoa.ShardDesc.full(k, v.shape, str(v.dtype)) for k, v in tensors.items()],
                       None, fill)
-    return tensors
+
+
+def assert_holds_exactly(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """The safetensors file ``path`` holds ``tensors`` and nothing else, byte for byte."""
+    with SafetensorsFile.open(path) as f:
+        assert set(f.tensors) == set(tensors)
+        for key, value in tensors.items():
+            assert f.array(key).tobytes() == value.tobytes(), key
 
 
 def run(*arguments: str, capsys) -> tuple[int, str, str]:
@@ -412,10 +424,7 @@ def test_multi_token_prediction_layers_round_trip(tmp_path, capsys, config):
     assert any(k.startswith("model.layers.2.eh_proj") for k in tensors)
     round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--ep", "2"],
                ["--to", "hf"])
-    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
-        assert set(f.tensors) == set(tensors)
-        for key, value in tensors.items():
-            assert f.array(key).tobytes() == value.tobytes(), key
+    assert_holds_exactly(tmp_path / "out1" / "model.safetensors", tensors)
     boxes = held(tmp_path / "out0")
     eh = boxes["model.layers.2.eh_proj.weight", (0, 0)]
     assert np.array_equal(eh, tensors["model.layers.2.eh_proj.weight"].T)
@@ -436,10 +445,7 @@ def test_ernie_mtp_block_round_trip(tmp_path, capsys):
     assert "model.mtp_linear_proj.0.weight" in tensors
     round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--ep", "2", "--pp",
                                   "2"], ["--to", "hf"])
-    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
-        assert set(f.tensors) == set(tensors)
-        for key, value in tensors.items():
-            assert f.array(key).tobytes() == value.tobytes(), key
+    assert_holds_exactly(tmp_path / "out1" / "model.safetensors", tensors)
     boxes = held(tmp_path / "out0")
     assert np.array_equal(boxes["model.mtp_linear_proj.0.weight", (0, 0)],
                           tensors["model.mtp_linear_proj.0.weight"].T)
@@ -462,14 +468,7 @@ def test_an_integer_tensor_the_target_casts_is_refused(tmp_path, capsys, config,
     that cannot come back is refused before a byte is written."""
     tensors = hf_folder(tmp_path / "hf", config)
     tensors[key] = tensors[key].astype(dtype)
-
-    def fill(views):
-        for name, view in views.items():
-            np.frombuffer(view, np.uint8)[:] = tensors[name].view(np.uint8).reshape(-1)
-
-    write_safetensors(tmp_path / "hf" / "model.safetensors",
-                      [aoa.ShardDesc.full(k, v.shape, str(v.dtype)) for k, v in tensors.items()],
-                      None, fill)
+    write_model(tmp_path / "hf", tensors)
     status, _, err = run("convert", "--source", str(tmp_path / "hf"), "--output",
                          str(tmp_path / "pf"), "--to", "paddleformers", *extra, "--quiet",
                          capsys=capsys)
@@ -487,10 +486,7 @@ def test_kimi_k2_to_paddleformers_and_back(tmp_path, capsys):
     tensors = hf_folder(tmp_path / "hf", KIMI_K2)
     round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2", "--ep", "2"],
                ["--to", "hf"])
-    with SafetensorsFile.open(tmp_path / "out1" / "model.safetensors") as f:
-        assert set(f.tensors) == set(tensors)
-        for key, value in tensors.items():
-            assert f.array(key).tobytes() == value.tobytes(), key
+    assert_holds_exactly(tmp_path / "out1" / "model.safetensors", tensors)
     boxes = held(tmp_path / "out0")
     keys = {key for key, _ in boxes}
     assert {"model.embedding.embed_tokens.weight", "model.lm_head.weight",
@@ -570,14 +566,7 @@ def test_a_checkpoint_without_its_mtp_layers_converts_with_a_note(tmp_path, caps
     (folder / "config.json").write_text(json.dumps(config))
     kept = {k: v for k, v in full.items() if not k.startswith(mtp)}
     assert len(kept) < len(full)
-
-    def fill(views):
-        for name, view in views.items():
-            np.frombuffer(view, np.uint8)[:] = kept[name].view(np.uint8).reshape(-1)
-
-    write_safetensors(folder / "model.safetensors",
-                      [aoa.ShardDesc.full(k, v.shape, "float32") for k, v in kept.items()],
-                      None, fill)
+    write_model(folder, kept)
     notes = round_trip(tmp_path, capsys, ["--to", "paddleformers", "--tp", "2"],
                        ["--to", "hf"])
     assert "'num_nextn_predict_layers' is 1, but the checkpoint holds none of those layers" \

@@ -52,16 +52,7 @@ def tensors(cfg: Config) -> dict[str, Expected]:
         if layer < cfg.count("first_k_dense_replace", 0):
             decoder.mlp(t, cfg, prefix + "mlp.")
         else:
-            experts = cfg.positive("n_routed_experts")
-            t.add(prefix + "mlp.gate.weight", dim(experts, "n_routed_experts"), hidden)
-            t.add(prefix + "mlp.gate.e_score_correction_bias", dim(experts, "n_routed_experts"))
-            for expert in range(experts):
-                decoder.mlp(t, cfg, f"{prefix}mlp.experts.{expert}.", "moe_intermediate_size")
-            shared = cfg.count("n_shared_experts", 0)
-            if shared:
-                decoder.mlp(t, cfg, prefix + "mlp.shared_experts.", "moe_intermediate_size * "
-                            "n_shared_experts", size=cfg.positive("moe_intermediate_size")
-                            * shared)
+            routed_experts(t, cfg, prefix + "mlp.")
         decoder.norms(t, cfg, prefix)
         if layer >= layers:
             t.add(prefix + "enorm.weight", hidden)
@@ -73,6 +64,21 @@ def tensors(cfg: Config) -> dict[str, Expected]:
     t.group = None
     decoder.head(t, cfg)
     return t.expected
+
+
+def routed_experts(t: Tensors, cfg: Config, prefix: str) -> None:
+    """A sparse MLP of ``prefix`` (`model.layers.N.mlp.`): the router with its correction
+    bias, the routed experts and, where `n_shared_experts` says, the shared experts in one."""
+    hidden = dim(cfg.positive("hidden_size"), "hidden_size")
+    experts = dim(cfg.positive("n_routed_experts"), "n_routed_experts")
+    t.add(prefix + "gate.weight", experts, hidden)
+    t.add(prefix + "gate.e_score_correction_bias", experts)
+    for expert in range(experts.size):
+        decoder.mlp(t, cfg, f"{prefix}experts.{expert}.", "moe_intermediate_size")
+    shared = cfg.count("n_shared_experts", 0)
+    if shared:
+        decoder.mlp(t, cfg, prefix + "shared_experts.", "moe_intermediate_size * "
+                    "n_shared_experts", size=cfg.positive("moe_intermediate_size") * shared)
 
 
 def attention(t: Tensors, cfg: Config, prefix: str) -> None:

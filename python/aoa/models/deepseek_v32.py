@@ -30,11 +30,8 @@ from aoa.models.base import (
     linear,
     rename,
 )
+from aoa.models.glm4_moe import MTP, fleet_mtp, mtp_tensors
 
-MTP = "num_nextn_predict_layers"
-#: Tensors of a multi-token-prediction layer that a checkpoint may leave out (PaddleFormers
-#: shares them with the main model).
-MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 INDEXER = "self_attn.indexer."
 
 
@@ -58,11 +55,9 @@ def tensors(cfg: Config) -> dict[str, Expected]:
     decoder.embeddings(t, cfg)
     layers = cfg.positive("num_hidden_layers")
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")
-    vocab = dim(cfg.positive("vocab_size"), "vocab_size")
     q_rank = dim(cfg.positive("q_lora_rank"), "q_lora_rank")
     index_heads = cfg.positive("index_n_heads")
     index_dim = dim(cfg.positive("index_head_dim"), "index_head_dim")
-    experts = dim(cfg.positive("n_routed_experts"), "n_routed_experts")
     for layer, sparse in enumerate(sparse_layers(cfg)):
         prefix = f"model.layers.{layer}."
         t.group = MTP if layer >= layers else None
@@ -75,27 +70,12 @@ def tensors(cfg: Config) -> dict[str, Expected]:
         t.add(prefix + INDEXER + "weights_proj.weight", dim(index_heads, "index_n_heads"),
               hidden)
         if sparse:
-            t.add(prefix + "mlp.gate.weight", experts, hidden)
-            t.add(prefix + "mlp.gate.e_score_correction_bias", experts)
-            for expert in range(experts.size):
-                decoder.mlp(t, cfg, f"{prefix}mlp.experts.{expert}.", "moe_intermediate_size")
-            shared = cfg.count("n_shared_experts", 0)
-            if shared:
-                decoder.mlp(t, cfg, prefix + "mlp.shared_experts.",
-                            "moe_intermediate_size * n_shared_experts",
-                            size=cfg.positive("moe_intermediate_size") * shared)
+            deepseek_v3.routed_experts(t, cfg, prefix + "mlp.")
         else:
             decoder.mlp(t, cfg, prefix + "mlp.")
         decoder.norms(t, cfg, prefix)
         if layer >= layers:
-            t.add(prefix + "enorm.weight", hidden)
-            t.add(prefix + "hnorm.weight", hidden)
-            t.add(prefix + "eh_proj.weight", hidden, dim(2 * hidden.size, "2 * hidden_size"))
-            t.add(prefix + "shared_head.norm.weight", hidden)
-            if cfg.has(prefix + MTP_SHARED[0]):
-                t.add(prefix + MTP_SHARED[0], vocab, hidden)
-            if cfg.has(prefix + MTP_SHARED[1]):
-                t.add(prefix + MTP_SHARED[1], vocab, hidden)
+            mtp_tensors(t, cfg, prefix)
     t.group = None
     decoder.head(t, cfg)
     return t.expected
@@ -118,13 +98,7 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
         decoder_layer(m, hf, target, sparse=sparse, shared=cfg.count("n_shared_experts", 0) > 0,
                       indexer=True)
         if layer >= layers:
-            m.add(linear(hf + "eh_proj.weight", hf + "eh_proj.weight"),
-                  rename(hf + "enorm.weight", hf + "enorm.weight"),
-                  rename(hf + "hnorm.weight", hf + "hnorm.weight"),
-                  rename(hf + "shared_head.norm.weight", hf + "norm.weight"))
-            for name in MTP_SHARED:
-                if cfg.has(hf + name):
-                    m.add(rename(hf + name, hf + name))
+            fleet_mtp(m, cfg, hf)
     m.splits = paddleformers.splits(cfg, mesh, embedding=paddleformers.FLEET_EMBEDDING,
                                     lm_head=paddleformers.FLEET_HEAD,
                                     experts=cfg.positive("n_routed_experts"))

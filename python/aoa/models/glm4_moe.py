@@ -45,7 +45,6 @@ def tensors(cfg: Config) -> dict[str, Expected]:
     decoder.embeddings(t, cfg)
     layers = cfg.positive("num_hidden_layers")
     hidden = dim(cfg.positive("hidden_size"), "hidden_size")
-    vocab = dim(cfg.positive("vocab_size"), "vocab_size")
     bias = cfg.flag("attention_bias")
     for layer in range(layers + cfg.count(MTP, 0)):
         prefix = f"model.layers.{layer}."
@@ -66,17 +65,37 @@ def tensors(cfg: Config) -> dict[str, Expected]:
                         * cfg.positive("n_shared_experts"))
         decoder.norms(t, cfg, prefix)
         if layer >= layers:
-            t.add(prefix + "enorm.weight", hidden)
-            t.add(prefix + "hnorm.weight", hidden)
-            t.add(prefix + "eh_proj.weight", hidden, dim(2 * hidden.size, "2 * hidden_size"))
-            t.add(prefix + "shared_head.norm.weight", hidden)
-            if cfg.has(prefix + MTP_SHARED[0]):
-                t.add(prefix + "embed_tokens.weight", vocab, hidden)
-            if cfg.has(prefix + MTP_SHARED[1]):
-                t.add(prefix + "shared_head.head.weight", vocab, hidden)
+            mtp_tensors(t, cfg, prefix)
     t.group = None
     decoder.head(t, cfg)
     return t.expected
+
+
+def mtp_tensors(t: Tensors, cfg: Config, prefix: str) -> None:
+    """What a multi-token-prediction layer ``prefix`` holds beside its decoder: its two
+    norms, eh_proj, shared_head.norm, and the embedding and head where the checkpoint has
+    them (PaddleFormers shares those with the main model)."""
+    hidden = dim(cfg.positive("hidden_size"), "hidden_size")
+    vocab = dim(cfg.positive("vocab_size"), "vocab_size")
+    t.add(prefix + "enorm.weight", hidden)
+    t.add(prefix + "hnorm.weight", hidden)
+    t.add(prefix + "eh_proj.weight", hidden, dim(2 * hidden.size, "2 * hidden_size"))
+    t.add(prefix + "shared_head.norm.weight", hidden)
+    for name in MTP_SHARED:
+        if cfg.has(prefix + name):
+            t.add(prefix + name, vocab, hidden)
+
+
+def fleet_mtp(m: TargetMapping, cfg: Config, hf: str) -> None:
+    """`mtp_tensors` of the layer ``hf`` in PaddleFleet's names: eh_proj transposed,
+    shared_head.norm as the layer's `norm`, the rest as they are."""
+    m.add(linear(hf + "eh_proj.weight", hf + "eh_proj.weight"),
+          rename(hf + "enorm.weight", hf + "enorm.weight"),
+          rename(hf + "hnorm.weight", hf + "hnorm.weight"),
+          rename(hf + "shared_head.norm.weight", hf + "norm.weight"))
+    for name in MTP_SHARED:
+        if cfg.has(hf + name):
+            m.add(rename(hf + name, hf + name))
 
 
 def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
@@ -93,13 +112,7 @@ def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:
             target = hf + ("transformer_layer." if layer >= layers else "")
             decoder_layer(m, cfg, hf, target, sparse=layer >= dense)
             if layer >= layers:
-                m.add(linear(hf + "eh_proj.weight", hf + "eh_proj.weight"),
-                      rename(hf + "enorm.weight", hf + "enorm.weight"),
-                      rename(hf + "hnorm.weight", hf + "hnorm.weight"),
-                      rename(hf + "shared_head.norm.weight", hf + "norm.weight"))
-                for name in MTP_SHARED:
-                    if cfg.has(hf + name):
-                        m.add(rename(hf + name, hf + name))
+                fleet_mtp(m, cfg, hf)
     else:
         every = f"model.layers.{LAYER}."
         if dense:

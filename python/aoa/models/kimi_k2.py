@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from aoa.models import deepseek_v3, paddleformers
 from aoa.models.base import Config, Family, Mesh, ModelError, TargetMapping
-from aoa.models.deepseek_v32 import MTP, decoder_layer
+from aoa.models.deepseek_v32 import decoder_layer
+from aoa.models.glm4_moe import MTP
 
 
 def to_paddleformers(cfg: Config, mesh: Mesh) -> TargetMapping:

@@ -42,22 +42,27 @@ def sparse_layers(cfg: Config) -> list[bool]:
             for layer in range(cfg.positive("num_hidden_layers"))]
 
 
+def gated_shared_expert_moe(t: Tensors, cfg: Config, prefix: str) -> None:
+    """A sparse MLP of ``prefix`` (`model.layers.N.mlp.`): the router, the routed experts,
+    one shared expert and its sigmoid gate (Qwen2-MoE's, Qwen3-Next's)."""
+    hidden = dim(cfg.positive("hidden_size"), "hidden_size")
+    experts = expert_count(cfg)
+    t.add(prefix + "gate.weight", dim(experts, "num_experts"), hidden)
+    for expert in range(experts):
+        decoder.mlp(t, cfg, f"{prefix}experts.{expert}.", "moe_intermediate_size")
+    decoder.mlp(t, cfg, prefix + "shared_expert.", "shared_expert_intermediate_size")
+    t.add(prefix + "shared_expert_gate.weight", dim(1, "one gate"), hidden)
+
+
 def tensors(cfg: Config) -> dict[str, Expected]:
     t = Tensors(cfg)
     decoder.embeddings(t, cfg)
-    hidden = dim(cfg.positive("hidden_size"), "hidden_size")
     for layer, sparse in enumerate(sparse_layers(cfg)):
         prefix = f"model.layers.{layer}."
         decoder.attention(t, cfg, prefix + "self_attn.", qkv_bias=cfg.flag("qkv_bias", True),
                           o_bias=False)
         if sparse:
-            experts = expert_count(cfg)
-            t.add(prefix + "mlp.gate.weight", dim(experts, "num_experts"), hidden)
-            for expert in range(experts):
-                decoder.mlp(t, cfg, f"{prefix}mlp.experts.{expert}.", "moe_intermediate_size")
-            decoder.mlp(t, cfg, prefix + "mlp.shared_expert.",
-                        "shared_expert_intermediate_size")
-            t.add(prefix + "mlp.shared_expert_gate.weight", dim(1, "one gate"), hidden)
+            gated_shared_expert_moe(t, cfg, prefix + "mlp.")
         else:
             decoder.mlp(t, cfg, prefix + "mlp.")
         decoder.norms(t, cfg, prefix)

@@ -32,7 +32,7 @@ from aoa.models.base import (
     linear,
     rename,
 )
-from aoa.models.qwen2_moe import expert_count, sparse_layers
+from aoa.models.qwen2_moe import expert_count, gated_shared_expert_moe, sparse_layers
 
 LINEAR = "linear_attn."
 
@@ -95,12 +95,7 @@ def tensors(cfg: Config) -> dict[str, Expected]:
             t.add(a + "out_proj.weight", hidden,
                   dim(values, "linear_num_value_heads * linear_value_head_dim"))
         if sparse:
-            experts = expert_count(cfg)
-            t.add(prefix + "mlp.gate.weight", dim(experts, "num_experts"), hidden)
-            for expert in range(experts):
-                decoder.mlp(t, cfg, f"{prefix}mlp.experts.{expert}.", "moe_intermediate_size")
-            decoder.mlp(t, cfg, prefix + "mlp.shared_expert.", "shared_expert_intermediate_size")
-            t.add(prefix + "mlp.shared_expert_gate.weight", dim(1, "1"), hidden)
+            gated_shared_expert_moe(t, cfg, prefix + "mlp.")
         else:
             decoder.mlp(t, cfg, prefix + "mlp.")
         decoder.norms(t, cfg, prefix)
